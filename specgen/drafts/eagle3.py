@@ -1,0 +1,258 @@
+"""EAGLE-3 draft: one 2H-wide decoder layer over fused target features, drafted as a chain.
+
+Checkpoint layouts read (../shared/reference/README.md):
+- the layer under `midlayer.*` (official EAGLE) or `layers.0.*` (speculators / vLLM);
+- `fc.weight [H, 3 * H_target]` over low|mid|high target features, `norm`, `lm_head [Vd, H]`;
+- `d2t [Vd]` OFFSETS (target_id = draft_id + d2t[draft_id]) and `t2d` (ignored: derivable) when the
+  draft vocabulary is reduced (`draft_vocab_size` < `vocab_size`); none for a full vocabulary;
+- `embed_tokens.weight` optional: absent means the target's embedding is shared;
+- aux layer ids at `eagle_config.eagle_aux_hidden_state_layer_ids` (layer outputs) or the default;
+- its own RoPE settings (`rope_theta`, `rope_scaling` / `rope_parameters`), often theta 10000.
+
+Drafting (DESIGN.md section 3, step 5). Entry j of a pass pairs the feature of position p_j with the
+embedding of the token at p_j + 1 and predicts the token at p_j + 2; its draft-cache entry sits at
+p_j, so the draft cache is aligned with the target's and is cut back the same way (entries past the
+committed length are scratch). The first pass runs over all T new positions and reads row
+`last_index`; K - 1 chained single-token passes follow, each feeding back the layer's pre-norm output
+as the next feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specgen.checkpoints.store import CheckpointError
+from specgen.drafts.base import Pick, default_aux_layer_ids
+from specgen.models.layers import (
+    CachedSelfAttention,
+    GatedMLP,
+    KVCache,
+    RMSNorm,
+    RopeSettings,
+    causal_mask,
+    fuse_attention_and_mlp_keys,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+LAYER_PREFIXES = ("midlayer.", "layers.0.")
+
+
+@dataclass(frozen=True, slots=True)
+class Eagle3Config:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSettings
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]
+    norm_before_residual: bool = False
+
+    @classmethod
+    def from_hf(cls, config: dict, *, target_layers: int, target_hidden: int,
+                target_vocab: int) -> Eagle3Config:
+        layers = int(config.get("num_hidden_layers", 1))
+        if layers != 1:
+            raise ValueError(f"num_hidden_layers is {layers}; only single-layer EAGLE-3 drafts are supported")
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        vocab = int(config.get("vocab_size") or target_vocab)
+        if vocab != target_vocab:
+            raise ValueError(f"vocab_size {vocab} differs from the target's {target_vocab}")
+        eagle = config.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
+        ids = tuple(int(i) for i in ids) if ids else default_aux_layer_ids(target_layers)
+        if any(not 0 <= i < target_layers for i in ids):
+            raise ValueError(f"aux layer ids {list(ids)} are outside the target's {target_layers} layers")
+        target_h = int(config.get("target_hidden_size") or hidden)
+        if target_h != target_hidden:
+            raise ValueError(f"target_hidden_size {target_h} differs from the target's {target_hidden}")
+        return cls(
+            hidden_size=hidden,
+            target_hidden_size=target_h,
+            intermediate_size=int(config["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=RopeSettings.from_hf(config),
+            vocab_size=vocab,
+            draft_vocab_size=int(config.get("draft_vocab_size") or vocab),
+            aux_layer_ids=ids,
+            norm_before_residual=bool(config.get("norm_before_residual", False)),
+        )
+
+    def num_parameters(self, own_embedding: bool) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = 2 * h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        layer = attn + 3 * h * self.intermediate_size + 3 * h
+        embed = self.vocab_size * h if own_embedding else 0
+        return (layer + len(self.aux_layer_ids) * self.target_hidden_size * h + h
+                + self.draft_vocab_size * h + embed)
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = CachedSelfAttention(2 * h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(h, cfg.intermediate_size)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, emb, feature, cos, sin, cache, positions, mask, kv_len, slots):
+        # emb, feature: [B, T, H] -> [B, T, H] (pre-norm output, fed back as the next feature)
+        normed = self.hidden_norm(feature)
+        residual = normed if self.norm_before_residual else feature
+        x = torch.cat((self.input_layernorm(emb), normed), dim=-1)  # embedding first
+        h = residual + self.self_attn(x, cos, sin, cache, 0, positions, mask, kv_len, slots)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: Eagle3Config, num_speculative_tokens: int,
+                 target_embedding: nn.Embedding | None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.aux_layer_ids = cfg.aux_layer_ids
+        self.num_speculative_tokens = num_speculative_tokens
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.layer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        if target_embedding is None:
+            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        else:
+            self.embed_tokens = None
+            # Held outside the module tree so it is neither saved nor loaded as a draft weight.
+            self._shared_embedding = (target_embedding,)
+        self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.draft_vocab_size != self.config.vocab_size
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.embed_tokens is not None else self._shared_embedding[0]
+        return table(tokens)
+
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        c = self.config
+        return KVCache(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
+
+    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
+        c = self.config
+        return KVCache.bytes_needed(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype)
+
+    def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        # [B, Vd] -> [B, V]; tokens outside the draft vocabulary can never be drafted (-inf).
+        if not self.reduced_vocab:
+            return draft_logits
+        full = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy(1, self.draft_to_target, draft_logits)
+
+    def _pass(self, feature, tokens, positions, cache, kv_len, slots):
+        # feature: [B, T, H]; tokens, positions: [B, T] -> pre-norm hidden [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, feature.dtype)
+        mask = causal_mask(positions, kv_len)
+        return self.layer(self.embed(tokens), feature, cos, sin, cache, positions, mask, kv_len, slots)
+
+    def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                last_index: torch.Tensor, cache: KVCache, kv_len: int, pick: Pick,
+                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # aux: [B, T, 3 * H_target]; next_tokens (token at p + 1), positions (p): [B, T]; last_index: [B]
+        # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
+        batch = aux.shape[0]
+        hidden = self._pass(self.fc(aux), next_tokens, positions, cache, kv_len, slots)
+        rows = torch.arange(batch, device=aux.device)
+        hidden = hidden[rows, last_index].unsqueeze(1)          # [B, 1, H]
+        position = positions[rows, last_index] + 1               # feature position of the next pass
+        tokens, probs = [], []
+        for k in range(self.num_speculative_tokens):
+            logits = self.target_logits(self.lm_head(self.norm(hidden[:, 0])))
+            token, prob = pick(logits, position + 1)             # the drafted token sits at p + 1
+            tokens.append(token)
+            probs.append(prob)
+            if k + 1 < self.num_speculative_tokens:
+                hidden = self._pass(hidden, token.unsqueeze(1), position.unsqueeze(1), cache, kv_len, slots)
+                position = position + 1
+        stacked = torch.stack(probs, 1) if probs[0] is not None else None
+        return torch.stack(tokens, 1), stacked
+
+
+def convert_eagle3_state_dict(state: dict[str, torch.Tensor], cfg: Eagle3Config,
+                              where: str) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """Checkpoint keys -> ours. Returns the weights and the draft->target id map (None = identity)."""
+    prefix = next((p for p in LAYER_PREFIXES if any(k.startswith(p) for k in state)), None)
+    if prefix is None:
+        raise CheckpointError(f"{where}: no EAGLE-3 decoder layer (keys under midlayer.* or layers.0.*)")
+    out: dict[str, torch.Tensor] = {}
+    d2t = state.get("d2t")
+    for key, tensor in state.items():
+        if key in ("d2t", "t2d"):
+            continue
+        out["layer." + key[len(prefix):] if key.startswith(prefix) else key] = tensor
+    fuse_attention_and_mlp_keys(out, "layer.")
+    if cfg.draft_vocab_size != cfg.vocab_size:
+        if d2t is None:
+            raise CheckpointError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} < vocab_size "
+                                  f"{cfg.vocab_size} but the checkpoint has no d2t")
+        if tuple(d2t.shape) != (cfg.draft_vocab_size,):
+            raise CheckpointError(f"{where}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
+        mapping = torch.arange(cfg.draft_vocab_size) + d2t.long()
+        if int(mapping.min()) < 0 or int(mapping.max()) >= cfg.vocab_size:
+            raise CheckpointError(f"{where}: d2t maps draft ids outside the target vocabulary")
+        return out, mapping
+    return out, None
+
+
+def dummy_eagle3_config(target) -> dict:
+    """An EAGLE-3 config in the target's shape (full vocabulary), for random-init demo drafts."""
+    t = target.config
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+        "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
+        "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope.theta,
+        "vocab_size": t.vocab_size, "draft_vocab_size": t.vocab_size,
+    }
+
+
+def load_eagle3_draft(config: dict, folder, target, *, num_speculative_tokens: int,
+                      dtype: torch.dtype, device, dummy: bool, seed: int = 0) -> Eagle3Draft:
+    """Build the draft for `target` from its HF config and weights (or random weights when dummy)."""
+    from specgen.checkpoints.store import weight_files
+    from specgen.checkpoints.weights import load_into, random_init, read_tensors
+
+    where = str(folder) if folder else "draft"
+    try:
+        cfg = Eagle3Config.from_hf(config, target_layers=target.num_layers,
+                                   target_hidden=target.hidden_size, target_vocab=target.vocab_size)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}/config.json: not a usable EAGLE-3 config: {err}") from err
+    state, mapping = {}, None
+    if not dummy:
+        state, mapping = convert_eagle3_state_dict(read_tensors(weight_files(folder)), cfg, where)
+    shared = None if "embed_tokens.weight" in state else target.model.embed_tokens
+    with torch.device("meta" if not dummy else device):
+        draft = Eagle3Draft(cfg, num_speculative_tokens, shared)
+    if dummy:
+        draft.to(dtype)
+        random_init(draft, seed=seed)
+    else:
+        load_into(draft, state, dtype=dtype, device=device, where=where)
+    draft.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
+    draft.draft_to_target = (mapping if mapping is not None
+                             else torch.arange(cfg.draft_vocab_size)).to(device)
+    return draft.eval().requires_grad_(False)

@@ -1,0 +1,161 @@
+"""Llama-3 target model (our own code, not transformers').
+
+Contract: `LlamaForCausalLM.forward(tokens[B, T], positions[B, T], cache, kv_len, ...)` writes the K/V
+of the T new tokens of each row at that row's positions, attends causally over the cache up to
+`kv_len` keys, and returns logits for the requested rows plus the hidden states of the layers a draft
+asked for. Layer ids name layer OUTPUTS (id i = the residual stream leaving layer i, HF
+`hidden_states[i + 1]`), the convention of every draft checkpoint (DESIGN.md section 5).
+
+Parameter names follow the HF checkpoint (`model.layers.{i}...`) except that q/k/v and gate/up are
+fused; `convert_hf_state_dict` is the weight adapter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specgen.models.layers import (
+    CachedSelfAttention,
+    GatedMLP,
+    KVCache,
+    RMSNorm,
+    RopeSettings,
+    causal_mask,
+    fuse_attention_and_mlp_keys,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSettings
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, config: dict) -> LlamaConfig:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=RopeSettings.from_hf(config),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
+        )
+
+    def num_parameters(self) -> int:
+        """Parameter count from the config alone (memory estimates before loading)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * layer + self.vocab_size * h + h + head
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = CachedSelfAttention(cfg.hidden_size, cfg.hidden_size, cfg.num_heads,
+                                             cfg.num_kv_heads, cfg.head_dim, cfg.attention_bias)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, cache, layer, positions, mask, kv_len, slots):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, positions, mask,
+                               kv_len, slots)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+
+    # -- interface used by pipelines/ and drafts/ -------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head: what drafts without a head of their own (DFlash) reuse."""
+        return self.lm_head(self.model.norm(hidden))
+
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
+
+    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
+        c = self.config
+        return KVCache.bytes_needed(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
+                *, slots: torch.Tensor | None = None, logits_from: int = 0,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # tokens, positions: [B, T]; slots: [B] cache rows (None = rows 0..B-1, the step's case)
+        # returns logits [B, T - logits_from, V] and captured hidden [B, T, len(capture) * H] | None
+        h = self.embed(tokens)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        mask = causal_mask(positions, kv_len)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, cache, i, positions, mask, kv_len, slots)
+            if i in capture:
+                captured[i] = h
+        # The config's order, not layer order, defines the concatenation (fc weights depend on it).
+        aux = torch.cat([captured[i] for i in capture], -1) if capture else None
+        return self.head(h[:, logits_from:]), aux
+
+
+def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+    """HF Llama keys -> ours (fused projections; tied head materialised as the embedding)."""
+    state = dict(state)
+    for i in range(cfg.num_layers):
+        fuse_attention_and_mlp_keys(state, f"model.layers.{i}.")
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state

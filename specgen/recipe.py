@@ -1,0 +1,393 @@
+"""Recipe schema: YAML in, one validated `Recipe` out.
+
+Contract:
+- `load_recipe(path, overrides)` reads a YAML mapping, merges `--set a.b=value` overrides (each value
+  parsed as YAML, so lists, numbers, booleans and `null` work), validates everything and returns a
+  `Recipe` whose defaults are filled in. `recipe_from_dict` and `apply_overrides` are the two halves,
+  callable on their own.
+- Every problem is a `RecipeError` whose lines read `recipe.<dotted.path>: <problem>`; all problems
+  found are reported together, one per line. Unknown keys are errors at every level, so a typo never
+  silently falls back to a default.
+- Nothing here imports torch: the CLI validates a recipe before any model is loaded, so `dtype: auto`
+  and `device: auto` stay unresolved here and are decided by the loader.
+- Paths in a recipe (`target.model`, `draft.model`, `prompts`, `output`) are taken as written: relative
+  paths are relative to the current working directory, NOT to the recipe's folder. Only the default
+  `output` uses the recipe file, by its stem: `outputs/<stem>.jsonl`.
+
+The speculative section uses vLLM's vocabulary (`method`, `model`, `num_speculative_tokens`).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# The one list of draft methods; later drafts (dflash, mtp) are added here and nowhere else.
+DRAFT_METHODS: tuple[str, ...] = ("none", "eagle3")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+MAX_NUM_SPECULATIVE_TOKENS = 32
+
+
+class RecipeError(ValueError):
+    """A recipe problem, located by a dotted path ("" for the recipe as a whole).
+
+    `path` and `problem` describe the first problem; `problems` lists all of them.
+    """
+
+    def __init__(self, path: str, problem: str, more: Sequence[tuple[str, str]] = ()) -> None:
+        self.path = path
+        self.problem = problem
+        self.problems: list[tuple[str, str]] = [(path, problem), *more]
+        super().__init__("\n".join(_format(p, m) for p, m in self.problems))
+
+
+def _format(path: str, problem: str) -> str:
+    return f"recipe.{path}: {problem}" if path else f"recipe: {problem}"
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    model: str
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA (decided by the loader)
+    load_format: str = "auto"  # dummy = random weights from config.json alone
+
+
+@dataclass(frozen=True, slots=True)
+class DraftSpec:
+    method: str = "none"
+    model: str | None = None  # ignored when method is "none"
+    load_format: str = "auto"  # dummy = deterministic random-init draft (demo only)
+    num_speculative_tokens: int | None = None  # filled with 3 when a draft is used and none is given
+    stochastic: bool = False  # sample drafts from q and use full rejection sampling
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off (-1 is accepted in a recipe and stored as 0)
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeSpec:
+    device: str = "auto"
+    batch_size: int = 8
+    max_seq_len: int = 2048
+    compile: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Recipe:
+    target: TargetSpec
+    draft: DraftSpec = field(default_factory=DraftSpec)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    runtime: RuntimeSpec = field(default_factory=RuntimeSpec)
+    prompts: str = "default"  # "default", "sharegpt", or a path to a .jsonl file
+    output: str = "outputs/recipe.jsonl"  # always resolved; see recipe_from_dict
+    chat_template: bool = True
+    source: Path | None = None  # the recipe file, when there is one
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved recipe as JSON-serialisable data; `recipe_from_dict` accepts it back."""
+        data = asdict(self)
+        del data["source"]  # provenance, not a recipe field: kept out so the round trip validates
+        return data
+
+
+# --- loading and overrides -------------------------------------------------------------------
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
+    """Read a YAML recipe, apply `--set` overrides, validate. Raises RecipeError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise RecipeError("", f"cannot read {path}: {reason}") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError("", f"cannot read {path}: not valid YAML: {exc}") from exc
+    if data is None:  # an empty file: everything may still come from overrides
+        data = {}
+    if not isinstance(data, dict):
+        raise RecipeError("", f"cannot read {path}: expected a mapping at the top, got {_show(data)}")
+    return recipe_from_dict(apply_overrides(data, overrides), source=path)
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Return a copy of `data` with each `a.b=value` set; the value is parsed as YAML.
+
+    Missing sections are created, so `draft.method=eagle3` works on a recipe without `draft:`.
+    """
+    result = copy.deepcopy(dict(data))
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not sep or not key or any(not part for part in parts):
+            raise RecipeError("", f"bad override {item!r}: expected key=value, e.g. sampling.temperature=0.7")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise RecipeError(key, f"cannot parse override value {raw!r} as YAML: {exc}") from exc
+        node = result
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if child is None:  # `draft:` written with nothing under it
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                where = ".".join(parts[: depth + 1])
+                raise RecipeError(where, f"cannot set {key}: {where} is not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+class _Bad(Exception):
+    """One field's problem; collected by _Checker so all problems are reported together."""
+
+
+def _show(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _string(value: object) -> str:
+    if not isinstance(value, str):
+        raise _Bad(f"expected a string, got {_show(value)}")
+    if not value:
+        raise _Bad("must not be empty")
+    return value
+
+
+def _boolean(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad(f"expected true or false, got {_show(value)}")
+    return value
+
+
+def _integer(lo: int | None = None, hi: int | None = None) -> Callable[[object], int]:
+    def parse(value: object) -> int:
+        # bool is a subclass of int in Python, but `batch_size: true` is a mistake, not a 1.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Bad(f"expected an integer, got {_show(value)}")
+        if lo is not None and value < lo:
+            raise _Bad(f"must be >= {lo}")
+        if hi is not None and value > hi:
+            raise _Bad(f"must be <= {hi}")
+        return value
+
+    return parse
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _Bad(f"expected a number, got {_show(value)}")
+    return float(value)
+
+
+def _choice(options: Sequence[str]) -> Callable[[object], str]:
+    def parse(value: object) -> str:
+        if value not in options:
+            raise _Bad(f"must be one of {', '.join(options)}")
+        return value  # type: ignore[return-value]
+
+    return parse
+
+
+def _optional(parse: Callable[[object], Any]) -> Callable[[object], Any]:
+    return lambda value: None if value is None else parse(value)
+
+
+def _in_range(parse: Callable[[object], float], ok: Callable[[float], bool], problem: str):
+    def check(value: object) -> float:
+        number = parse(value)
+        if not ok(number):
+            raise _Bad(problem)
+        return number
+
+    return check
+
+
+_MISSING = object()
+
+
+class _Checker:
+    """Reads sections and fields, recording each problem with its path instead of stopping."""
+
+    def __init__(self) -> None:
+        self.problems: list[tuple[str, str]] = []
+
+    def section(self, data: Mapping[str, Any], name: str, known: Sequence[str]) -> dict[str, Any] | None:
+        """The section's mapping; None when it is not one (its fields are then not checked)."""
+        value = data.get(name)
+        if value is None:  # absent, or `draft:` with nothing under it: all defaults
+            return {}
+        if not isinstance(value, dict):
+            self.problems.append((name, f"expected a mapping, got {_show(value)}"))
+            return None
+        self.unknown(value, name, known)
+        return value
+
+    def unknown(self, data: Mapping[str, Any], prefix: str, known: Sequence[str]) -> None:
+        for key in data:
+            if key not in known:
+                path = f"{prefix}.{key}" if prefix else str(key)
+                self.problems.append((path, f"unknown key (known: {', '.join(known)})"))
+
+    def get(
+        self, data: Mapping[str, Any] | None, path: str, parse: Callable[[object], Any], default: Any = _MISSING
+    ) -> Any:
+        key = path.rpartition(".")[2]
+        if data is None:  # the section itself was wrong and already reported
+            return None if default is _MISSING else default
+        if key not in data:
+            if default is _MISSING:
+                self.problems.append((path, "required"))
+            return None if default is _MISSING else default
+        try:
+            return parse(data[key])
+        except _Bad as exc:
+            self.problems.append((path, str(exc)))
+            return None if default is _MISSING else default
+
+
+def _stop_list(check: _Checker, sampling: Mapping[str, Any] | None) -> list[str]:
+    value = (sampling or {}).get("stop", [])
+    if isinstance(value, str):  # a single stop string is the common case; accept it bare
+        value = [value]
+    if not isinstance(value, list):
+        check.problems.append(("sampling.stop", f"expected a string or a list of strings, got {_show(value)}"))
+        return []
+    stops: list[str] = []
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            check.problems.append((f"sampling.stop[{i}]", f"expected a string, got {_show(item)}"))
+        elif not item:
+            # An empty stop string would match everywhere and end every request at once.
+            check.problems.append((f"sampling.stop[{i}]", "must not be empty"))
+        else:
+            stops.append(item)
+    return stops
+
+
+def _default_output(source: Path | None) -> str:
+    return f"outputs/{source.stem if source is not None else 'recipe'}.jsonl"
+
+
+_TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_template")
+_TARGET = ("model", "dtype", "load_format")
+_DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic")
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos")
+_RUNTIME = ("device", "batch_size", "max_seq_len", "compile")
+
+
+def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Recipe:
+    """Validate plain recipe data (as read from YAML) into a Recipe. Raises RecipeError.
+
+    `source` is the recipe file; it only names the default output (`outputs/<stem>.jsonl`,
+    or `outputs/recipe.jsonl` without a source).
+    """
+    if not isinstance(data, Mapping):
+        raise RecipeError("", f"expected a mapping at the top, got {_show(data)}")
+    check = _Checker()
+    check.unknown(data, "", _TOP)
+
+    t = check.section(data, "target", _TARGET)
+    target = TargetSpec(
+        model=check.get(t, "target.model", _string),
+        dtype=check.get(t, "target.dtype", _choice(DTYPES), "auto"),
+        load_format=check.get(t, "target.load_format", _choice(LOAD_FORMATS), "auto"),
+    )
+
+    d = check.section(data, "draft", _DRAFT)
+    method = check.get(d, "draft.method", _choice(DRAFT_METHODS), "none")
+    draft_model = check.get(d, "draft.model", _optional(_string), None)
+    draft_format = check.get(d, "draft.load_format", _choice(LOAD_FORMATS), "auto")
+    k = check.get(
+        d, "draft.num_speculative_tokens", _optional(_integer(1, MAX_NUM_SPECULATIVE_TOKENS)), None
+    )
+    if method != "none":
+        if k is None:
+            k = DEFAULT_NUM_SPECULATIVE_TOKENS
+        # A dummy draft is built from the target's shape alone, so only a real one needs a checkpoint.
+        if draft_model is None and draft_format != "dummy" and "draft.model" not in dict(check.problems):
+            check.problems.append(("draft.model", f"required when method is {method} (or set load_format: dummy)"))
+    draft = DraftSpec(
+        method=method,
+        model=draft_model,
+        load_format=draft_format,
+        num_speculative_tokens=k,
+        stochastic=check.get(d, "draft.stochastic", _boolean, False),
+    )
+
+    s = check.section(data, "sampling", _SAMPLING)
+    top_k = check.get(s, "sampling.top_k", _integer(-1), 0)
+    sampling = SamplingSpec(
+        temperature=check.get(
+            s, "sampling.temperature", _in_range(_number, lambda x: x >= 0, "must be >= 0"), 0.0
+        ),
+        top_k=0 if top_k == -1 else top_k,  # one spelling of "off" downstream
+        top_p=check.get(
+            s, "sampling.top_p", _in_range(_number, lambda x: 0 < x <= 1, "must be > 0 and <= 1"), 1.0
+        ),
+        min_p=check.get(
+            s, "sampling.min_p", _in_range(_number, lambda x: 0 <= x <= 1, "must be >= 0 and <= 1"), 0.0
+        ),
+        seed=check.get(s, "sampling.seed", _optional(_integer(0)), None),
+        max_tokens=check.get(s, "sampling.max_tokens", _integer(1), 256),
+        stop=_stop_list(check, s),
+        ignore_eos=check.get(s, "sampling.ignore_eos", _boolean, False),
+    )
+
+    r = check.section(data, "runtime", _RUNTIME)
+    runtime = RuntimeSpec(
+        device=check.get(r, "runtime.device", _choice(DEVICES), "auto"),
+        batch_size=check.get(r, "runtime.batch_size", _integer(1), 8),
+        max_seq_len=check.get(r, "runtime.max_seq_len", _integer(16), 2048),
+        compile=check.get(r, "runtime.compile", _boolean, False),
+    )
+
+    prompts = check.get(data, "prompts", _string, "default")
+    output = check.get(data, "output", _optional(_string), None)
+    chat_template = check.get(data, "chat_template", _boolean, True)
+
+    if check.problems:
+        (path, problem), *more = check.problems
+        raise RecipeError(path, problem, more)
+    return Recipe(
+        target=target,
+        draft=draft,
+        sampling=sampling,
+        runtime=runtime,
+        prompts=prompts,
+        output=output if output is not None else _default_output(source),
+        chat_template=chat_template,
+        source=source,
+    )

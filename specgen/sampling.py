@@ -1,0 +1,182 @@
+"""Per-slot sampling parameters, logits -> processed log-probabilities, and draft sampling.
+
+Contract:
+- `process_logits` turns logits into the distribution the user asked for. The target and every draft
+  go through the same function with the same `SamplingTensors`, which is what keeps verification
+  lossless (ALGORITHMS.md section 4.2: q must be processed exactly like p).
+  Order, as in vLLM: temperature, then top-k, then top-p, then min-p; the result is log_softmax over
+  the surviving tokens, the rest are -inf. Greedy rows (temperature 0) come back as the raw logits in
+  float32: only their argmax is ever used.
+- `sample_draft` draws one stochastic draft token per row with position-keyed Gumbel noise (stream
+  DRAFT) and returns the distribution it was drawn from, ready to be `draft_probs` for `verify`.
+- No host synchronisation in either function (no `.item()`, `.tolist()` or branching on tensor
+  values): they run inside the compiled step. The only Python branches read the static flags of
+  `SamplingTensors`, which skip work no row needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specgen.kernels import keyed_noise as kn
+
+
+@dataclass(slots=True)
+class SamplingTensors:
+    """Sampling parameters of the B batch slots, on the device, plus static flags computed on the host.
+
+    The flags describe the widest use ever seen: `build` sets them from the initial rows and
+    `update_row` only ever widens them (a slot refilled with greedy parameters does not clear
+    `use_top_p`). A compiled step therefore never loses a feature a row needs; the price is that a
+    flag that widens after compilation changes a guard (one recompile). Build from the recipe once,
+    with every slot holding the recipe's parameters, and the flags never change.
+    """
+
+    temperature: torch.Tensor  # [B] f32, 0 = greedy
+    top_k: torch.Tensor  # [B] int64, 0 = off
+    top_p: torch.Tensor  # [B] f32, 1 = off
+    min_p: torch.Tensor  # [B] f32, 0 = off
+    greedy: torch.Tensor  # [B] bool, temperature == 0
+    all_greedy: bool
+    use_top_k: bool
+    use_top_p: bool
+    use_min_p: bool
+
+    @classmethod
+    def build(
+        cls,
+        temperature: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        min_p: list[float],
+        device: torch.device | str = "cpu",
+    ) -> SamplingTensors:
+        B = len(temperature)
+        if not (len(top_k) == len(top_p) == len(min_p) == B):
+            raise ValueError("temperature, top_k, top_p and min_p need one entry per slot")
+        for row in zip(temperature, top_k, top_p, min_p):
+            _check_row(*row)
+        greedy = [t == 0 for t in temperature]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            min_p=torch.tensor(min_p, dtype=torch.float32, device=device),
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            # filters on greedy rows change nothing (argmax survives every filter): no flag for them
+            use_top_k=any(k > 0 and not g for k, g in zip(top_k, greedy)),
+            use_top_p=any(p < 1 and not g for p, g in zip(top_p, greedy)),
+            use_min_p=any(m > 0 and not g for m, g in zip(min_p, greedy)),
+        )
+
+    def select(self, rows: torch.Tensor) -> SamplingTensors:
+        """The parameters of some slots (a slot's prefill), with the same static flags."""
+        return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                               self.min_p[rows], self.greedy[rows], self.all_greedy, self.use_top_k,
+                               self.use_top_p, self.use_min_p)
+
+    def update_row(self, b: int, temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+        """Refill slot b in place (host-to-device copies; call it outside the compiled step)."""
+        _check_row(temperature, top_k, top_p, min_p)
+        greedy = temperature == 0
+        self.temperature[b] = temperature
+        self.top_k[b] = top_k
+        self.top_p[b] = top_p
+        self.min_p[b] = min_p
+        self.greedy[b] = greedy
+        # widen only, see the class docstring
+        self.all_greedy = self.all_greedy and greedy
+        self.use_top_k = self.use_top_k or (top_k > 0 and not greedy)
+        self.use_top_p = self.use_top_p or (top_p < 1 and not greedy)
+        self.use_min_p = self.use_min_p or (min_p > 0 and not greedy)
+
+
+def _check_row(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    if not temperature >= 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not 0 <= min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+
+
+def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """Logits -> log-probabilities after temperature, top-k, top-p, min-p (in that order).
+
+    - top-k keeps the k largest logits; ties with the k-th value are kept too (vLLM).
+    - top-p keeps the smallest set of most likely tokens whose probability reaches top_p, i.e. token
+      of rank r survives iff the mass of the tokens ranked above it is < top_p; the top token always
+      survives.
+    - min-p drops tokens with prob < min_p * max prob, computed as logit < max logit + log(min_p)
+      (same thing; the ratio does not depend on the normalisation, so earlier filters do not move it).
+    Greedy rows return the raw logits as float32.
+    """
+    # logits: [B, T, V]; params rows: [B]
+    raw = logits.float()
+    if params.all_greedy:
+        return raw
+    greedy = params.greedy[:, None, None]
+    # greedy rows divide by 1 so that no inf/nan is formed; their result is replaced below anyway
+    temperature = torch.where(params.greedy, 1.0, params.temperature)[:, None, None]
+    x = raw / temperature
+    if params.use_top_k or params.use_top_p:
+        x = _top_k_top_p(x, params)
+    if params.use_min_p:
+        threshold = x.amax(dim=-1, keepdim=True) + torch.log(params.min_p)[:, None, None]
+        x = x.masked_fill(x < threshold, float("-inf"))  # log(0) = -inf: rows with min_p 0 keep all
+    return torch.where(greedy, raw, torch.log_softmax(x, dim=-1))
+
+
+def _top_k_top_p(x: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    # x: [B, T, V] temperature-scaled logits. One sort serves both filters; skipped by the caller
+    # when no row uses either, since it is the most expensive step here.
+    B, T, V = x.shape
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    if params.use_top_k:
+        k = torch.where(params.top_k > 0, params.top_k.clamp(max=V), V)  # [B], 0 = off
+        kth = sorted_x.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    if params.use_top_p:
+        probs = sorted_x.softmax(dim=-1)
+        mass_above = probs.cumsum(dim=-1) - probs  # exclusive prefix sum; exactly 0 at rank 0
+        top_p = params.top_p[:, None, None]
+        # rounding can push the float32 prefix sum to 1 before the tail: top_p == 1 must mean off
+        drop = (mass_above >= top_p) & (top_p < 1)
+        drop[..., 0] = False  # the top token always survives, whatever rounding does
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+
+
+def sample_draft(
+    logprobs: torch.Tensor,
+    greedy: torch.Tensor,
+    noise_key: torch.Tensor,
+    position: torch.Tensor,
+    stream: int = kn.DRAFT,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One draft token per row and the distribution it was drawn from.
+
+    token = argmax(logprobs + g(key, position, v, stream)) for sampled rows, argmax for greedy rows;
+    probs = softmax(logprobs), one-hot at the token for greedy rows. `position` is the absolute position
+    the drafted token will occupy (= positions[b, i] of the verify row it is proposed for).
+
+    The DRAFT stream keeps the draft independent of the ACCEPT / RESIDUAL noise, which full rejection
+    sampling (`verify` with draft_probs) requires. For one-hot verification (draft_probs=None) any
+    draft is lossless, and `stream=kn.TARGET` couples the draft with the target's own sample at that
+    position: they agree whenever argmax(log q + g) == argmax(log p + g), more often than independent
+    draws do.
+    """
+    # logprobs: [B, V]; greedy: [B]; noise_key: [B]; position: [B]
+    V = logprobs.shape[-1]
+    vocab = torch.arange(V, device=logprobs.device)
+    g = kn.gumbel(noise_key, position[:, None], vocab, stream)[:, 0]  # [B, V]
+    token = torch.where(greedy[:, None], logprobs, logprobs + g).argmax(dim=-1)
+    # comparison instead of F.one_hot, whose range check synchronises with the host
+    one_hot = (vocab == token[:, None]).to(torch.float32)
+    probs = torch.where(greedy[:, None], one_hot, torch.softmax(logprobs.float(), dim=-1))
+    return token, probs

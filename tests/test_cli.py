@@ -1,0 +1,130 @@
+"""`specgen run` end to end on tiny checkpoints: outputs, stats, resume, overrides, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
+from typer.testing import CliRunner
+
+from specgen.cli import app
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    config = tiny_llama_config(vocab_size=300)  # byte tokenizer ids 3..258 must exist
+    target = write_llama_checkpoint(root / "target", config)
+    draft = write_eagle3_checkpoint(root / "eagle3", tiny_eagle3_config(config, draft_vocab_size=200), config)
+    prompts = root / "prompts.jsonl"
+    lines = [json.dumps({"id": "a", "prompt": "hello there"}),
+             "{not json",
+             json.dumps({"id": "b", "prompt": "one two three four", "max_tokens": 5}),
+             json.dumps({"id": "c", "messages": [{"role": "user", "content": "hi"}]}),
+             json.dumps({"question_id": 81, "turns": ["write a poem", "now shorter"]}),
+             json.dumps({"id": "long", "prompt": "x" * 200})]
+    prompts.write_text("\n".join(lines) + "\n")
+    return root, target, draft, prompts
+
+
+def write_recipe(root, target, draft, **extra):
+    recipe = {
+        "target": {"model": str(target)},
+        "draft": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2},
+        "sampling": {"max_tokens": 12, "seed": 1, "ignore_eos": True},
+        "runtime": {"device": "cpu", "batch_size": 2, "max_seq_len": 128},
+        "chat_template": False,
+    }
+    recipe.update(extra)
+    path = root / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(app, list(args), terminal_width=120)
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_run_writes_results_and_stats_then_resumes(setup):
+    root, target, draft, prompts = setup
+    recipe = write_recipe(root, target, draft)
+    out = root / "out.jsonl"
+    result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(out))
+    assert result.exit_code == 0, result.output
+    records = {r["id"]: r for r in read_lines(out)}
+    assert set(records) == {"a", "b", "c", "81", "line-2", "long"}
+    assert records["line-2"]["finish_reason"] == "error"
+    assert "prompts.jsonl line 2: not valid JSON" in records["line-2"]["error"]
+    assert records["long"]["finish_reason"] == "error" and "max_seq_len" in records["long"]["error"]
+    assert records["b"]["num_output_tokens"] == 5 and records["b"]["finish_reason"] == "length"
+    a = records["a"]
+    assert a["num_output_tokens"] == 12 and len(a["token_ids"]) == 12
+    assert set(a["spec"]) >= {"num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                              "mean_acceptance_length", "acceptance_histogram", "accepted_per_position"}
+    assert a["spec"]["num_draft_tokens"] == 2 * a["spec"]["num_drafts"]
+    stats = json.loads((root / "out.jsonl.stats.json").read_text())
+    assert stats["requests"] == 6 and stats["errors"] == 2 and stats["complete"]
+    assert stats["output_tokens"] == sum(r["num_output_tokens"] for r in records.values())
+    assert stats["recipe"]["draft"]["method"] == "eagle3" and "torch" in stats["versions"]
+
+    again = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(out))
+    assert again.exit_code == 0, again.output
+    assert "already done" in again.output
+    assert len(read_lines(out)) == 6  # nothing written twice
+
+
+def test_draft_method_none_gives_identical_greedy_tokens(setup):
+    root, target, draft, prompts = setup
+    recipe = write_recipe(root, target, draft)
+    spec_out, plain_out = root / "spec.jsonl", root / "plain.jsonl"
+    assert invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(spec_out)).exit_code == 0
+    result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(plain_out),
+                    "--set", "draft.method=none")
+    assert result.exit_code == 0, result.output
+    spec = {r["id"]: r["token_ids"] for r in read_lines(spec_out)}
+    plain = {r["id"]: r["token_ids"] for r in read_lines(plain_out)}
+    assert spec == plain and any(spec.values())
+
+
+def test_stop_strings_cut_the_text(setup):
+    root, target, draft, prompts = setup
+    recipe = write_recipe(root, target, draft)
+    out = root / "free.jsonl"
+    assert invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(out), "--limit", "1").exit_code == 0
+    text = read_lines(out)[0]["text"]
+    stop = text[3:5]
+    assert len(stop) == 2
+    cut = root / "cut.jsonl"
+    result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(cut), "--limit", "1",
+                    "--set", f"sampling.stop={json.dumps([stop])}")
+    assert result.exit_code == 0, result.output
+    record = read_lines(cut)[0]
+    assert record["finish_reason"] == "stop"
+    assert record["text"] == text[: text.index(stop)]
+
+
+def test_bad_recipe_exits_2_before_loading(setup):
+    root, target, draft, _ = setup
+    recipe = write_recipe(root, target, draft)
+    result = invoke("run", str(recipe), "--set", "draft.num_speculative_tokens=0")
+    assert result.exit_code == 2
+    assert "recipe.draft.num_speculative_tokens: must be >= 1" in result.output
+    result = invoke("run", str(recipe), "--set", "runtime.batchsize=3")
+    assert result.exit_code == 2 and "recipe.runtime.batchsize: unknown key" in result.output
+
+
+def test_memory_estimate_stops_a_run_that_cannot_fit(setup):
+    root, target, draft, prompts = setup
+    recipe = write_recipe(root, target, draft)
+    out = root / "huge.jsonl"
+    result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(out),
+                    "--set", "runtime.batch_size=100000", "--set", "runtime.max_seq_len=100000")
+    assert result.exit_code == 1
+    assert "runtime.batch_size" in result.output and "GiB" in result.output
+    assert not out.exists()
