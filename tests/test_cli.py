@@ -128,3 +128,38 @@ def test_memory_estimate_stops_a_run_that_cannot_fit(setup):
     assert result.exit_code == 1
     assert "runtime.batch_size" in result.output and "GiB" in result.output
     assert not out.exists()
+
+
+def test_ctrl_c_keeps_whole_lines_and_the_rerun_resumes(setup, tmp_path):
+    """SIGINT mid-run: exit 130, every written line whole, stats written; rerunning finishes the rest."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root, target, draft, _ = setup
+    prompts = tmp_path / "many.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"count {i}"}) + "\n" for i in range(200)))
+    recipe = write_recipe(tmp_path, target, draft)
+    out = tmp_path / "many-out.jsonl"
+    cmd = [sys.executable, "-m", "specgen.cli", "run", str(recipe), "--prompts", str(prompts), "--output", str(out),
+           "--set", "sampling.max_tokens=4"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "run the same command again to resume" in output
+    first = read_lines(out)  # raises if any line is torn
+    assert 3 <= len(first) < 200
+    stats = json.loads((tmp_path / "many-out.jsonl.stats.json").read_text())
+    assert stats["complete"] is False and stats["requests"] == len(first)
+
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    ids = [r["id"] for r in read_lines(out)]
+    assert sorted(ids) == sorted(f"q{i}" for i in range(200)) and len(ids) == len(set(ids))

@@ -33,13 +33,13 @@ def models(tmp_path_factory):
     return target, draft
 
 
-def make_recipe(target, draft=None, k=3, batch=4, stochastic=False, **sampling):
+def make_recipe(target, draft=None, k=3, batch=4, stochastic=False, compile=False, **sampling):
     data = {
         "target": {"model": str(target)},
         "draft": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k,
                   "stochastic": stochastic} if draft else {"method": "none"},
         "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
-        "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 96},
+        "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 96, "compile": compile},
         "chat_template": False,
     }
     return recipe_from_dict(data)

@@ -54,7 +54,7 @@ def cache_root() -> Path:
 
 
 def resolve_checkpoint(name: str, *, needs_weights: bool = True) -> Path:
-    """Alias, GGUF file or HF folder -> an HF-format folder."""
+    """Alias, GGUF file or HF folder -> an HF-format folder (a bare .json config too, without weights)."""
     if name in MODEL_ALIASES:
         gguf = MODEL_ALIASES[name].locate()
         return convert_gguf(gguf, cache_root() / "models" / name)
@@ -63,6 +63,8 @@ def resolve_checkpoint(name: str, *, needs_weights: bool = True) -> Path:
         stat = path.stat()
         tag = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
         return convert_gguf(path, cache_root() / "models" / f"{path.stem}-{tag[:10]}")
+    if path.is_file() and path.suffix == ".json" and not needs_weights:
+        return config_only_folder(path)
     if path.is_file() and path.name == "config.json":
         path = path.parent
     if path.is_dir():
@@ -109,6 +111,16 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def config_only_folder(config: Path) -> Path:
+    """A bare config file (any name, e.g. a reference config) as a folder, for dummy weights."""
+    data = config.read_bytes()
+    folder = cache_root() / "configs" / f"{config.stem}-{hashlib.sha1(data).hexdigest()[:10]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "config.json").is_file():
+        (folder / "config.json").write_bytes(data)
+    return folder
 
 
 def weight_files(folder: Path) -> list[Path]:

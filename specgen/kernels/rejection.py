@@ -56,6 +56,24 @@ def sample_rows(
     return scores.argmax(dim=-1)  # first maximum on ties, like the kernel
 
 
+def verify_greedy(logprobs: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference for batches whose rows are all greedy: no noise is computed at all."""
+    # logprobs: [B, K+1, V]; draft_tokens: [B, K]
+    y = logprobs.argmax(dim=-1)
+    return _accept_prefix(draft_tokens == y[:, :-1], draft_tokens, y)
+
+
+def _accept_prefix(accept: torch.Tensor, draft_tokens: torch.Tensor, y: torch.Tensor):
+    # accept: [B, K] bool; y: [B, K+1] -> accepted [B], emitted [B, K+1] (one-hot rule)
+    B, K = draft_tokens.shape
+    accepted = accept.long().cumprod(dim=1).sum(dim=1)
+    final = y.gather(1, accepted[:, None])
+    j = torch.arange(K + 1, device=y.device)
+    drafts = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), -1)], dim=1)
+    n = accepted[:, None]
+    return accepted, torch.where(j < n, drafts, torch.where(j == n, final, -1))
+
+
 def verify_reference(
     logprobs: torch.Tensor,
     draft_tokens: torch.Tensor,

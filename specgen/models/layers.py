@@ -92,20 +92,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Preallocated keys and values `[layers, slots, kv_heads, max_len, head_dim]`.
+    """Preallocated keys and values, one `[slots, kv_heads, max_len, head_dim]` tensor per layer.
 
     Entries at positions >= a slot's committed length are scratch: a step may write them and the next
-    step overwrites them, so rejected drafts never need an undo."""
+    step overwrites them, so rejected drafts never need an undo. One tensor per layer (not one stacked
+    tensor) because torch.compile writes into a whole graph input in place, but copies a tensor
+    around a write into a view of one."""
 
     def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (layers, slots, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
     @staticmethod
     def bytes_needed(layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
@@ -131,10 +133,9 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: K
     index = (rows.view(-1, 1, 1), heads.view(1, -1, 1), positions.unsqueeze(1))
     cache.k[layer].index_put_(index, k)
     cache.v[layer].index_put_(index, v)
-    if slots is None:
-        keys, values = cache.k[layer, :, :, :kv_len], cache.v[layer, :, :, :kv_len]
-    else:
-        keys, values = cache.k[layer, slots, :, :kv_len], cache.v[layer, slots, :, :kv_len]
+    keys, values = cache.k[layer][:, :, :kv_len], cache.v[layer][:, :, :kv_len]
+    if slots is not None:
+        keys, values = keys[slots], values[slots]
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
                                           enable_gqa=q.shape[1] != kv_heads)
 

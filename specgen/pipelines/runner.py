@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specgen.kernels.keyed_noise import noise_key_for
 from specgen.pipelines.stats import SpecCounters
 from specgen.pipelines.stops import OutputTracker, StopRules
 from specgen.pipelines.unified import UnifiedStep
@@ -96,7 +97,18 @@ class Runner:
         self.totals = RunTotals(spec=SpecCounters(step.k))  # live: readable after an interrupt
         self.step_fn = step.step
         if compile:
-            mode = "reduce-overhead" if device.type == "cuda" else None
+            import torch._inductor.config as inductor_config
+
+            # Weights never change during a run: let Inductor fold them in as constants (on CPU this
+            # also prepacks them for oneDNN, ~1.4x at batch 8).
+            inductor_config.freezing = True
+            mode = None
+            if device.type == "cuda":
+                # CUDA graphs replay fixed addresses: the caches the step writes must be static inputs.
+                mode = "reduce-overhead"
+                for cache in (self.target_cache, self.draft_cache):
+                    for t in (cache.k + cache.v) if cache is not None else ():
+                        torch._dynamo.mark_static_address(t)
             self.step_fn = torch.compile(step.step, mode=mode, fullgraph=True, dynamic=False)
 
     def kv_bucket(self, longest: int) -> int:
@@ -157,7 +169,7 @@ class Runner:
                 slot.counters.record(n_accepted)
                 lengths[b] += n_accepted + 1
                 for token in host[b][1: n_accepted + 2]:
-                    if self._add(slot, token):
+                    if slot.tracker.add(token):
                         finish(self._completion(slot))
                         self._release(b, slots)
                         break
@@ -207,12 +219,7 @@ class Runner:
         return slot
 
     def noise_key(self, request: Request) -> int:
-        from specgen.kernels.keyed_noise import noise_key_for
-
         return noise_key_for(self.seed, request.request_key)
-
-    def _add(self, slot: _Slot, token: int) -> bool:
-        return slot.tracker.add(token)
 
     def _release(self, b: int, slots: list[_Slot | None]) -> None:
         slots[b] = None

@@ -87,7 +87,7 @@ class UnifiedStep:
         # verify: the one lossless rule for every draft type
         logprobs = process_logits(logits, sampling)
         accepted, emitted = verify(logprobs, pending[:, 1:], draft_probs, sampling.greedy, noise_key,
-                                   positions + 1)
+                                   positions + 1, all_greedy=sampling.all_greedy)
         # commit: rejected positions need no undo, their K/V lie past the new length
         new_lens = cache_lens + (accepted + 1) * active
         last = emitted.gather(1, accepted.unsqueeze(1))                      # [B, 1]
@@ -116,7 +116,7 @@ class UnifiedStep:
                                   logits_from=length - 1, capture=self.capture)
         logprobs = process_logits(logits, row_sampling)
         _, emitted = verify(logprobs, tokens[:, :0], None, row_sampling.greedy, key,
-                            torch.tensor([[length]], device=device))
+                            torch.tensor([[length]], device=device), all_greedy=sampling.all_greedy)
         first = emitted[:, :1]                                              # [1, 1]
         pending = first
         if self.draft is not None:

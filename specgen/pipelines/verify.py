@@ -30,6 +30,7 @@ def verify(
     noise_key: torch.Tensor,
     positions: torch.Tensor,
     *,
+    all_greedy: bool = False,
     force_kernel: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of the drafts and emit the tokens of this step.
@@ -38,8 +39,11 @@ def verify(
     draft_probs [B, K, V] f32 or None (one-hot drafts); greedy [B] bool; noise_key [B] int64;
     positions [B, K+1] int64. Returns accepted [B] int64 in 0..K and emitted [B, K+1] int64: the
     accepted drafts, then the correction (first rejection) or bonus token, then -1.
+    `all_greedy` (a static host flag) skips the noise entirely: every row is argmax-matched.
     """
     # logprobs: [B, K+1, V]; draft_tokens: [B, K]; draft_probs: [B, K, V] | None; positions: [B, K+1]
+    if all_greedy and not force_kernel:
+        return rejection.verify_greedy(logprobs, draft_tokens)
     if force_kernel is None:
         use_kernel = logprobs.is_cuda and keyed_noise.triton_available()
     else:
