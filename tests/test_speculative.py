@@ -214,7 +214,8 @@ def test_sampled_speculative_output_has_the_target_distribution(small_vocab_mode
     recipe = make_recipe(target, draft, k=2, batch=64, stochastic=stochastic, **sampling)
     runner = runner_for(recipe)
     results, totals = run(runner, [prompt] * n, max_tokens=3, ids=[f"r{i}" for i in range(n)])
-    assert totals.spec.num_accepted_tokens > 0.1 * totals.spec.num_draft_tokens  # drafts do get accepted
+    # drafts do get accepted (a random draft's argmax rarely equals a sampled token, its samples do)
+    assert totals.spec.num_accepted_tokens > (0.1 if stochastic else 0.005) * totals.spec.num_draft_tokens
     marginals = exact_marginals(runner, prompt, 3)
     for position, probs in enumerate(marginals):
         samples = [results[f"r{i}"][position] for i in range(n)]
@@ -227,8 +228,8 @@ def test_distribution_test_catches_a_lossy_verifier(small_vocab_models, monkeypa
 
     honest = unified.verify
 
-    def accept_everything(logprobs, drafts, draft_probs, greedy, key, positions):
-        accepted, emitted = honest(logprobs, drafts, draft_probs, greedy, key, positions)
+    def accept_everything(logprobs, drafts, draft_probs, greedy, key, positions, **flags):
+        accepted, emitted = honest(logprobs, drafts, draft_probs, greedy, key, positions, **flags)
         k = drafts.shape[1]
         bonus = emitted.gather(1, accepted.unsqueeze(1))
         return torch.full_like(accepted, k), torch.cat((drafts, bonus), 1)

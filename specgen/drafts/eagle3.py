@@ -245,6 +245,10 @@ def load_eagle3_draft(config: dict, folder, target, *, num_speculative_tokens: i
     if not dummy:
         state, mapping = convert_eagle3_state_dict(read_tensors(weight_files(folder)), cfg, where)
     shared = None if "embed_tokens.weight" in state else target.model.embed_tokens
+    if shared is not None and cfg.hidden_size != target.hidden_size:
+        raise CheckpointError(f"{where}: the draft has no embed_tokens.weight, so it shares the target's "
+                              f"embedding, but its hidden_size {cfg.hidden_size} differs from the "
+                              f"target's {target.hidden_size}")
     with torch.device("meta" if not dummy else device):
         draft = Eagle3Draft(cfg, num_speculative_tokens, shared)
     if dummy:
