@@ -240,3 +240,21 @@ def test_one_hot_with_sampled_drafts_is_lossless_too():
     # acceptance rate of sample-and-match is sum p * q, below the rejection rule's sum min(p, q)
     expect = (p[0] * q[0]).sum()
     assert abs((accepted >= 1).double().mean() - expect) < 5 * np.sqrt(float(expect * (1 - expect)) / N)
+
+
+def test_all_greedy_fast_path_equals_the_reference():
+    """verify(..., all_greedy=True) skips the noise; it must agree with the general path."""
+    gen = torch.Generator().manual_seed(11)
+    B, K, V = 6, 4, 50
+    logprobs = torch.randn(B, K + 1, V, generator=gen)
+    y = logprobs.argmax(-1)
+    drafts = y[:, :K].clone()
+    drafts[1, 0] = (drafts[1, 0] + 1) % V
+    drafts[3, 2] = (drafts[3, 2] + 1) % V
+    greedy = torch.ones(B, dtype=torch.bool)
+    key = torch.arange(B, dtype=torch.long)
+    positions = torch.arange(K + 1).expand(B, K + 1) + 10
+    fast = verify(logprobs, drafts, None, greedy, key, positions, all_greedy=True)
+    general = verify(logprobs, drafts, None, greedy, key, positions, force_kernel=False)
+    assert torch.equal(fast[0], general[0]) and torch.equal(fast[1], general[1])
+    assert fast[0].tolist() == [K, 0, K, 2, K, K]

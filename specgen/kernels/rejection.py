@@ -60,18 +60,17 @@ def verify_greedy(logprobs: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[t
     """The reference for batches whose rows are all greedy: no noise is computed at all."""
     # logprobs: [B, K+1, V]; draft_tokens: [B, K]
     y = logprobs.argmax(dim=-1)
-    return _accept_prefix(draft_tokens == y[:, :-1], draft_tokens, y)
+    accepted = (draft_tokens == y[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+    return accepted, _emitted(accepted, draft_tokens, y.gather(1, accepted[:, None]).squeeze(1))
 
 
-def _accept_prefix(accept: torch.Tensor, draft_tokens: torch.Tensor, y: torch.Tensor):
-    # accept: [B, K] bool; y: [B, K+1] -> accepted [B], emitted [B, K+1] (one-hot rule)
+def _emitted(accepted: torch.Tensor, draft_tokens: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
+    # accepted, final: [B]; draft_tokens: [B, K] -> [B, K+1]: accepted drafts, final token, then -1
     B, K = draft_tokens.shape
-    accepted = accept.long().cumprod(dim=1).sum(dim=1)
-    final = y.gather(1, accepted[:, None])
-    j = torch.arange(K + 1, device=y.device)
+    j = torch.arange(K + 1, device=draft_tokens.device)
     drafts = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), -1)], dim=1)
     n = accepted[:, None]
-    return accepted, torch.where(j < n, drafts, torch.where(j == n, final, -1))
+    return torch.where(j < n, drafts, torch.where(j == n, final[:, None], -1))
 
 
 def verify_reference(
@@ -113,11 +112,7 @@ def verify_reference(
         # an all-zero residual (p == q) falls back to the target sample y
         use_residual = ~greedy & (accepted < K) & (residual > 0).any(dim=-1).squeeze(1)
         final = torch.where(use_residual, z, final)
-    j = torch.arange(K1, device=device)
-    drafts = torch.cat([draft_tokens, draft_tokens.new_full((B, 1), -1)], dim=1)  # [B, K+1]
-    n = accepted[:, None]
-    emitted = torch.where(j < n, drafts, torch.where(j == n, final[:, None], -1))
-    return accepted, emitted
+    return accepted, _emitted(accepted, draft_tokens, final)
 
 
 # ---------------------------------------------------------------------------------------------------
