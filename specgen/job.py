@@ -23,6 +23,7 @@ from specgen.checkpoints.store import CheckpointError, read_config, resolve_chec
 from specgen.checkpoints.tokenizer import has_tokenizer, load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, error_record, read_prompts,
                           stats_path, tokenize_prompt, write_json_atomic)
+from specgen.drafts.mtp import has_mtp_layer
 from specgen.models.loading import architecture_name, load_target, target_config
 from specgen.pipelines.registry import check_pairing, draft_kind
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
@@ -79,11 +80,22 @@ def resolve(recipe: Recipe) -> Resolved:
         if recipe.draft.enabled:
             check_pairing(architecture_name(config), recipe.draft.method)
             if recipe.draft.load_format != "dummy":
-                draft_folder = resolve_checkpoint(recipe.draft.model)
-                draft_cfg = read_config(draft_folder)
+                draft_folder, draft_cfg = _draft_checkpoint(recipe, folder, config)
     except (CheckpointError, ValueError) as err:
         raise JobError(str(err)) from err
     return Resolved(device, DTYPES[dtype_name], folder, config, draft_folder, draft_cfg)
+
+
+def _draft_checkpoint(recipe: Recipe, target_folder: Path, target_config: dict) -> tuple[Path, dict]:
+    if recipe.draft.model is not None:
+        folder = resolve_checkpoint(recipe.draft.model)
+        return folder, read_config(folder)
+    # Only methods whose layer can live in the target's checkpoint get here (recipe.DRAFT_IN_TARGET).
+    if not has_mtp_layer(target_folder, target_config):
+        raise CheckpointError(f"{target_folder}: draft.method {recipe.draft.method} without draft.model needs "
+                              f"MTP layers in the target checkpoint (model.layers."
+                              f"{target_config.get('num_hidden_layers')}.*), and there are none")
+    return target_folder, target_config
 
 
 # ------------------------------------------------------------------------------------------- memory
@@ -93,18 +105,22 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     """What the run will hold, from configs alone: weights, KV caches, per-step logits workspace."""
     cfg = target_config(r.target_config)
     item = torch.empty((), dtype=r.dtype).element_size()
-    b, k = recipe.runtime.batch_size, (recipe.draft.num_speculative_tokens or 0) if recipe.draft.enabled else 0
-    seq = recipe.runtime.max_seq_len + 2 * k + 2
-    kv = 2 * cfg.num_layers * b * cfg.num_kv_heads * seq * cfg.head_dim * item
-    parts = {"target weights": cfg.num_parameters() * item, "target KV cache": kv,
-             "logits workspace": 4 * b * (k + 1) * cfg.vocab_size * 4}
+    b, k, dcfg = recipe.runtime.batch_size, 0, None
     if recipe.draft.enabled:
         _, dummy_config, config_cls = draft_kind(recipe.draft.method)
         dcfg = config_cls.from_hf(r.draft_config or dummy_config_for(cfg, dummy_config),
                                   target_layers=cfg.num_layers, target_hidden=cfg.hidden_size,
                                   target_vocab=cfg.vocab_size)
-        parts["draft weights"] = dcfg.num_parameters(own_embedding=False) * item
-        parts["draft KV cache"] = 2 * b * dcfg.num_kv_heads * seq * dcfg.head_dim * item
+        # A DFlash draft without an explicit K drafts a whole block.
+        k = recipe.draft.num_speculative_tokens or getattr(dcfg, "block_size", 2) - 1
+    seq = recipe.runtime.max_seq_len + 2 * k + 2
+    kv = 2 * cfg.num_layers * b * cfg.num_kv_heads * seq * cfg.head_dim * item
+    parts = {"target weights": cfg.num_parameters() * item, "target KV cache": kv,
+             "logits workspace": 4 * b * (k + 1) * cfg.vocab_size * 4}
+    if dcfg is not None:
+        parts["draft weights"] = dcfg.num_parameters() * item
+        layers = getattr(dcfg, "num_layers", 1)
+        parts["draft KV cache"] = 2 * layers * b * dcfg.num_kv_heads * seq * dcfg.head_dim * item
         if recipe.draft.stochastic:
             parts["draft probabilities"] = b * k * cfg.vocab_size * 4
     return parts

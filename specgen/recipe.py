@@ -28,7 +28,11 @@ from typing import Any
 import yaml
 
 # The one list of draft methods; later drafts (dflash, mtp) are added here and nowhere else.
-DRAFT_METHODS: tuple[str, ...] = ("none", "eagle3")
+DRAFT_METHODS: tuple[str, ...] = ("none", "eagle3", "dflash", "mtp")
+# Methods whose checkpoint can live inside the target's (DeepSeek-style MTP layers): no draft.model needed.
+DRAFT_IN_TARGET = ("mtp",)
+# Methods whose draft decides the default K itself (DFlash: block_size - 1).
+K_FROM_DRAFT = ("dflash",)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
@@ -334,10 +338,11 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         d, "draft.num_speculative_tokens", _optional(_integer(1, MAX_NUM_SPECULATIVE_TOKENS)), None
     )
     if method != "none":
-        if k is None:
+        if k is None and method not in K_FROM_DRAFT:
             k = DEFAULT_NUM_SPECULATIVE_TOKENS
         # A dummy draft is built from the target's shape alone, so only a real one needs a checkpoint.
-        if draft_model is None and draft_format != "dummy" and "draft.model" not in dict(check.problems):
+        needs_model = draft_format != "dummy" and method not in DRAFT_IN_TARGET
+        if draft_model is None and needs_model and "draft.model" not in dict(check.problems):
             check.problems.append(("draft.model", f"required when method is {method} (or set load_format: dummy)"))
     draft = DraftSpec(
         method=method,

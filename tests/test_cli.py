@@ -163,3 +163,30 @@ def test_ctrl_c_keeps_whole_lines_and_the_rerun_resumes(setup, tmp_path):
     assert result.returncode == 0, result.stderr
     ids = [r["id"] for r in read_lines(out)]
     assert sorted(ids) == sorted(f"q{i}" for i in range(200)) and len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("method", ["dflash", "mtp"])
+def test_every_draft_method_gives_the_plain_greedy_tokens(setup, method):
+    """The registry routes each method into the same step; random-init drafts stay lossless."""
+    root, target, draft, prompts = setup
+    recipe = write_recipe(root, target, draft)
+    plain_out, spec_out = root / f"plain-{method}.jsonl", root / f"{method}.jsonl"
+    assert invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(plain_out),
+                  "--set", "draft.method=none").exit_code == 0
+    result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(spec_out),
+                    "--set", f"draft.method={method}", "--set", "draft.load_format=dummy",
+                    "--set", "draft.model=null", "--set", "draft.num_speculative_tokens=3")
+    assert result.exit_code == 0, result.output
+    assert "RANDOMLY INITIALISED" in result.output
+    spec = {r["id"]: r["token_ids"] for r in read_lines(spec_out)}
+    assert spec == {r["id"]: r["token_ids"] for r in read_lines(plain_out)}
+    assert sum(r["spec"]["num_draft_tokens"] for r in read_lines(spec_out) if r["spec"]) > 0
+
+
+def test_mtp_without_a_model_needs_mtp_layers_in_the_target(setup):
+    root, target, draft, prompts = setup
+    recipe = write_recipe(root, target, draft)
+    result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(root / "m.jsonl"),
+                    "--set", "draft.method=mtp", "--set", "draft.model=null")
+    assert result.exit_code == 1
+    assert "needs MTP layers in the target checkpoint" in result.output

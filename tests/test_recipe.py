@@ -111,7 +111,7 @@ def test_int_accepted_as_float():
         (with_section("runtime", max_seq_len=8), "recipe.runtime.max_seq_len: must be >= 16"),
         (with_section("runtime", device="tpu"), "recipe.runtime.device: must be one of auto, cpu, cuda"),
         (with_section("runtime", compile="yes"), "recipe.runtime.compile: expected true or false, got 'yes'"),
-        (with_section("draft", method="medusa"), "recipe.draft.method: must be one of none, eagle3"),
+        (with_section("draft", method="medusa"), "recipe.draft.method: must be one of none, eagle3, dflash, mtp"),
         (
             with_section("draft", method="eagle3", model="d", num_speculative_tokens=0),
             "recipe.draft.num_speculative_tokens: must be >= 1",

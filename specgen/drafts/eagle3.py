@@ -14,7 +14,7 @@ embedding of the token at p_j + 1 and predicts the token at p_j + 2; its draft-c
 p_j, so the draft cache is aligned with the target's and is cut back the same way (entries past the
 committed length are scratch). The first pass runs over all T new positions and reads row
 `last_index`; K - 1 chained single-token passes follow, each feeding back the layer's pre-norm output
-as the next feature.
+as the next feature (the loop is shared with MTP: specgen/drafts/chain.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 
 from specgen.checkpoints.store import CheckpointError
 from specgen.drafts.base import Pick, default_aux_layer_ids
+from specgen.drafts.chain import chain_propose
 from specgen.models.layers import (
     CachedSelfAttention,
     GatedMLP,
@@ -90,7 +91,7 @@ class Eagle3Config:
             norm_before_residual=bool(config.get("norm_before_residual", False)),
         )
 
-    def num_parameters(self, own_embedding: bool) -> int:
+    def num_parameters(self, own_embedding: bool = False) -> int:
         h, d = self.hidden_size, self.head_dim
         attn = 2 * h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
         layer = attn + 3 * h * self.intermediate_size + 3 * h
@@ -168,27 +169,17 @@ class Eagle3Draft(nn.Module):
         mask = causal_mask(positions, kv_len)
         return self.layer(self.embed(tokens), feature, cos, sin, cache, positions, mask, kv_len, slots)
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, H] pre-norm -> logits [B, V] over the target vocabulary
+        return self.target_logits(self.lm_head(self.norm(hidden)))
+
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 last_index: torch.Tensor, cache: KVCache, kv_len: int, pick: Pick,
                 slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         # aux: [B, T, 3 * H_target]; next_tokens (token at p + 1), positions (p): [B, T]; last_index: [B]
         # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-        batch = aux.shape[0]
-        hidden = self._pass(self.fc(aux), next_tokens, positions, cache, kv_len, slots)
-        rows = torch.arange(batch, device=aux.device)
-        hidden = hidden[rows, last_index].unsqueeze(1)          # [B, 1, H]
-        position = positions[rows, last_index] + 1               # feature position of the next pass
-        tokens, probs = [], []
-        for k in range(self.num_speculative_tokens):
-            logits = self.target_logits(self.lm_head(self.norm(hidden[:, 0])))
-            token, prob = pick(logits, position + 1)             # the drafted token sits at p + 1
-            tokens.append(token)
-            probs.append(prob)
-            if k + 1 < self.num_speculative_tokens:
-                hidden = self._pass(hidden, token.unsqueeze(1), position.unsqueeze(1), cache, kv_len, slots)
-                position = position + 1
-        stacked = torch.stack(probs, 1) if probs[0] is not None else None
-        return torch.stack(tokens, 1), stacked
+        return chain_propose(self, self.fc(aux), next_tokens, positions, last_index, cache, kv_len,
+                             pick, slots)
 
 
 def convert_eagle3_state_dict(state: dict[str, torch.Tensor], cfg: Eagle3Config,

@@ -152,10 +152,19 @@ class LlamaForCausalLM(nn.Module):
 
 
 def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
-    """HF Llama keys -> ours (fused projections; tied head materialised as the embedding)."""
-    state = dict(state)
+    """HF Llama keys -> ours (fused projections; tied head materialised as the embedding).
+
+    Layers at index >= num_layers are MTP layers (DeepSeek layout, drafts/mtp.py), not the target's:
+    dropped here, as transformers does."""
+    state = {k: v for k, v in state.items() if not _beyond_last_layer(k, cfg.num_layers)}
     for i in range(cfg.num_layers):
         fuse_attention_and_mlp_keys(state, f"model.layers.{i}.")
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
+
+
+def _beyond_last_layer(key: str, num_layers: int) -> bool:
+    parts = key.split(".", 3)
+    return (len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit()
+            and int(parts[2]) >= num_layers)

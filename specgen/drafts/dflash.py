@@ -1,0 +1,357 @@
+"""DFlash draft: one non-causal pass over a block [anchor, MASK x K] conditioned on target features.
+
+What DFlash is (z-lab/dflash `dflash/model.py`; ALGORITHMS.md section 1). The target's hidden states
+after the layers in `target_layer_ids` (layer OUTPUT ids, HF `hidden_states[id + 1]`) are concatenated
+per position and fused once: `ctx = hidden_norm(fc(features))`. Every draft layer is a Qwen3 decoder
+layer whose attention takes Q from the block only and K/V from BOTH the context and the block, with
+the SAME `k_proj` / `v_proj`, `k_norm` and RoPE (context at its real positions, the block after it).
+The context enters `k_proj` / `v_proj` as `ctx` itself: `input_layernorm` only normalises the block's
+hidden states (`Qwen3DFlashDecoderLayer.forward` norms `hidden_states`, not `target_hidden`).
+`q_norm` / `k_norm` are per-head RMSNorms over head_dim applied before RoPE. The draft has no
+embedding and no head: the block is embedded with the target's embedding, and logits are the
+target's `lm_head` applied to the draft's own final `norm` output; the target's final norm is NOT
+applied (`compute_logits(hidden, target.lm_head)` on `self.norm(hidden_states)`).
+
+Conventions here:
+- The anchor is the last committed token (the correction / bonus token of the previous verify), at
+  `positions[b, last_index] + 1`; the block is `[anchor, MASK x K]` at anchor_pos .. anchor_pos + K.
+  Block index i (1..K) predicts the token at anchor_pos + i. K may be below `block_size - 1`: the
+  reference's `dflash_generate(block_size=...)` also runs shorter blocks.
+- Every block query sees all context keys at positions < anchor_pos and the block bidirectionally
+  (`is_causal=False`). Sliding layers (`layer_types[i] == "sliding_attention"`) follow the reference's
+  `_attention_mask`: causal inside the block unless the config sets `is_causal`, and a query at q
+  sees a key at k only when q - k < sliding_window (and k - q < sliding_window when non-causal).
+- Context K/V live in the draft's own KVCache, one layer per draft layer, aligned with the target's
+  cache: the entry for position p is at p. Each call writes all T new positions; entries past the
+  committed length are scratch that the mask hides and the next step overwrites (vLLM's
+  `DFlashProposer` precomputes context K/V into the draft cache the same way). The block's own K/V
+  are never cached.
+- Config: `block_size` at top level or in `dflash_config` (reference default 16);
+  `dflash_config.mask_token_id` (must be a row of the target embedding); `target_layer_ids` in
+  `dflash_config`, else the reference default `build_target_layer_ids(num_target_layers,
+  num_hidden_layers)`: n = the draft's layer count, n == 1 -> [L // 2], otherwise n ids evenly
+  spaced from 1 to L - 3, rounded (z-lab `model/dflash.py` at a3516f8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specgen.checkpoints.store import CheckpointError
+from specgen.drafts.base import Pick
+from specgen.models.layers import (
+    GatedMLP,
+    KVCache,
+    RMSNorm,
+    RopeSettings,
+    apply_rope,
+    fuse_attention_and_mlp_keys,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+
+
+def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
+    """The reference's default feature layers (outputs): n == 1 -> middle; else 1 .. L-3 evenly."""
+    if n == 1:
+        return (num_target_layers // 2,)
+    start, end = 1, num_target_layers - 3
+    return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
+
+
+def _dflash_value(config: dict, name: str, default=None):
+    # The reference reads dflash_config first, then the top level (`_draft_value`).
+    value = (config.get("dflash_config") or {}).get(name)
+    if value is None:
+        value = config.get(name)
+    return default if value is None else value
+
+
+@dataclass(frozen=True, slots=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSettings
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    sliding_windows: tuple[int | None, ...]   # per layer; None = full attention
+    causal: tuple[bool, ...]                  # per layer: causal inside the block
+    attention_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, config: dict, *, target_layers: int, target_hidden: int,
+                target_vocab: int) -> DFlashConfig:
+        layers = int(config["num_hidden_layers"])
+        hidden = int(config["hidden_size"])
+        if hidden != target_hidden:
+            raise ValueError(f"hidden_size {hidden} differs from the target's {target_hidden}")
+        heads = int(config["num_attention_heads"])
+        block_size = int(_dflash_value(config, "block_size", 16))
+        if block_size < 2:
+            raise ValueError(f"block_size {block_size} leaves no token to draft")
+        mask = _dflash_value(config, "mask_token_id")
+        if mask is None:
+            raise ValueError("dflash_config.mask_token_id is missing")
+        mask = int(mask)
+        if not 0 <= mask < target_vocab:
+            raise ValueError(f"mask_token_id {mask} is not a row of the target embedding "
+                             f"(vocab_size {target_vocab}); the draft has no embedding of its own")
+        ids = _dflash_value(config, "target_layer_ids")
+        if ids is None:
+            stated = config.get("num_target_layers")
+            if stated is not None and int(stated) != target_layers:
+                raise ValueError(f"num_target_layers {stated} differs from the target's {target_layers} "
+                                 "and no target_layer_ids are given")
+            ids = default_target_layer_ids(target_layers, layers)
+        ids = tuple(int(i) for i in ids)
+        if not ids or any(not 0 <= i < target_layers for i in ids):
+            raise ValueError(f"target_layer_ids {list(ids)} are outside the target's {target_layers} layers")
+        types = config.get("layer_types") or ["full_attention"] * layers
+        if len(types) != layers:
+            raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
+        window = config.get("sliding_window")
+        is_causal = _dflash_value(config, "is_causal")
+        windows, causal = [], []
+        for kind in types:
+            if kind == "sliding_attention":
+                if not window:
+                    raise ValueError("a sliding_attention layer needs sliding_window")
+                windows.append(int(window))
+                causal.append(True if is_causal is None else bool(is_causal))
+            elif kind == "full_attention":
+                windows.append(None)
+                causal.append(False if is_causal is None else bool(is_causal))
+            else:
+                raise ValueError(f"layer type {kind!r} is not supported (full_attention, sliding_attention)")
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=RopeSettings.from_hf(config),
+            block_size=block_size,
+            mask_token_id=mask,
+            target_layer_ids=ids,
+            sliding_windows=tuple(windows),
+            causal=tuple(causal),
+            attention_bias=bool(config.get("attention_bias", False)),
+        )
+
+    def num_parameters(self) -> int:
+        h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * d
+        attn = h * qkv + self.num_heads * d * h + 2 * d + (qkv + h if self.attention_bias else 0)
+        layer = attn + 3 * h * i + 2 * h
+        return self.num_layers * layer + len(self.target_layer_ids) * h * h + 2 * h
+
+
+class DFlashAttention(nn.Module):
+    """Q from the block; K/V from the cached context and the block, with shared projections."""
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(x.shape[0], x.shape[1], n, self.head_dim)
+
+    def write_context(self, ctx, cos, sin, cache: KVCache, layer: int, positions, rows) -> None:
+        # ctx: [B, T, H] fused features; their K/V go to the cache at their own positions.
+        q_rows = self.heads * self.head_dim
+        bias = self.qkv_proj.bias[q_rows:] if self.qkv_proj.bias is not None else None
+        k, v = F.linear(ctx, self.qkv_proj.weight[q_rows:], bias).chunk(2, dim=-1)
+        k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)).transpose(1, 2), cos, sin)
+        v = self._heads(v, self.kv_heads).transpose(1, 2)
+        heads = torch.arange(self.kv_heads, device=ctx.device)
+        index = (rows.view(-1, 1, 1), heads.view(1, -1, 1), positions.unsqueeze(1))
+        cache.k[layer].index_put_(index, k.to(cache.k[layer].dtype))
+        cache.v[layer].index_put_(index, v.to(cache.v[layer].dtype))
+
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask, kv_len: int, slots) -> torch.Tensor:
+        # x: [B, L, H] normed block; mask: [B, 1, L, kv_len + L] -> [B, L, H]
+        batch, length, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
+            dim=-1)
+        q = apply_rope(self.q_norm(self._heads(q, self.heads)).transpose(1, 2), cos, sin)
+        k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)).transpose(1, 2), cos, sin)
+        v = self._heads(v, self.kv_heads).transpose(1, 2)
+        keys, values = cache.k[layer][:, :, :kv_len], cache.v[layer][:, :, :kv_len]
+        if slots is not None:
+            keys, values = keys[slots], values[slots]
+        keys = torch.cat((keys.to(k.dtype), k), dim=2)
+        values = torch.cat((values.to(v.dtype), v), dim=2)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                             enable_gqa=self.heads != self.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, layer, mask, kv_len, slots):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, kv_len, slots)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def block_masks(cfg: DFlashConfig, block_pos: torch.Tensor, kv_len: int) -> list[torch.Tensor]:
+    """Per-layer masks [B, 1, L, kv_len + L] over [context keys 0..kv_len-1, block keys]."""
+    # block_pos: [B, L]; context key k is visible when k < anchor_pos (committed positions only).
+    keys = torch.arange(kv_len, device=block_pos.device).view(1, 1, -1)
+    query = block_pos.unsqueeze(-1)                                          # [B, L, 1]
+    anchor = block_pos[:, :1].unsqueeze(-1)                                  # [B, 1, 1]
+    context = (keys < anchor).expand(-1, block_pos.shape[1], -1)            # [B, L, kv_len]
+    distance = query - block_pos.unsqueeze(1)                                # [B, L, L] q - k
+    masks: dict[tuple, torch.Tensor] = {}
+    out = []
+    for window, causal in zip(cfg.sliding_windows, cfg.causal):
+        if (window, causal) not in masks:
+            ctx, blk = context, torch.ones_like(distance, dtype=torch.bool)
+            if causal:
+                blk = blk & (distance >= 0)
+            if window is not None:
+                ctx = ctx & (query - keys < window)
+                blk = blk & (distance < window) & (-distance < window)
+            masks[(window, causal)] = torch.cat((ctx, blk), dim=-1).unsqueeze(1)
+        out.append(masks[(window, causal)])
+    return out
+
+
+class DFlashDraft(nn.Module):
+    def __init__(self, cfg: DFlashConfig, num_speculative_tokens: int, target) -> None:
+        super().__init__()
+        self.config = cfg
+        self.aux_layer_ids = cfg.target_layer_ids
+        self.num_speculative_tokens = num_speculative_tokens
+        self.mask_token_id = cfg.mask_token_id
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # Held outside the module tree: the target's weights are neither saved nor loaded here.
+        self._target = (target,)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
+
+    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
+        c = self.config
+        return KVCache.bytes_needed(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype)
+
+    def block_logits(self, aux, next_tokens, positions, last_index, cache: KVCache, kv_len: int,
+                     slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # aux: [B, T, n * H]; next_tokens, positions: [B, T]; last_index: [B]
+        # returns logits [B, K, V] of block indices 1..K and their positions [B, K]
+        target = self._target[0]
+        batch = aux.shape[0]
+        length = self.num_speculative_tokens + 1
+        rows = torch.arange(batch, device=aux.device)
+        cache_rows = slots if slots is not None else rows
+        anchor = next_tokens[rows, last_index]                                  # [B]
+        anchor_pos = positions[rows, last_index] + 1                            # [B]
+        block_pos = anchor_pos.unsqueeze(1) + torch.arange(length, device=aux.device)
+        masks = torch.full((batch, length - 1), self.mask_token_id, dtype=anchor.dtype, device=aux.device)
+        x = target.embed(torch.cat((anchor.unsqueeze(1), masks), 1))          # [B, L, H]
+        ctx = self.hidden_norm(self.fc(aux))                                    # [B, T, H]
+        cos_c, sin_c = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos_b, sin_b = rope_cos_sin(block_pos, self.inv_freq, x.dtype)
+        layer_masks = block_masks(self.config, block_pos, kv_len)
+        for i, layer in enumerate(self.layers):
+            # The context enters k_proj / v_proj as is (no input_layernorm), like the reference.
+            layer.self_attn.write_context(ctx, cos_c, sin_c, cache, i, positions, cache_rows)
+            x = layer(x, cos_b, sin_b, cache, i, layer_masks[i], kv_len, slots)
+        # The target's lm_head on the draft's own norm; the target's final norm is not applied.
+        return target.lm_head(self.norm(x[:, 1:])), block_pos[:, 1:]
+
+    def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                last_index: torch.Tensor, cache: KVCache, kv_len: int, pick: Pick,
+                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
+        logits, where = self.block_logits(aux, next_tokens, positions, last_index, cache, kv_len, slots)
+        tokens, probs = [], []
+        for i in range(self.num_speculative_tokens):
+            token, prob = pick(logits[:, i], where[:, i])
+            tokens.append(token)
+            probs.append(prob)
+        stacked = torch.stack(probs, 1) if probs[0] is not None else None
+        return torch.stack(tokens, 1), stacked
+
+
+def convert_dflash_state_dict(state: dict[str, torch.Tensor], cfg: DFlashConfig) -> dict[str, torch.Tensor]:
+    """Checkpoint keys (z-lab layout, no prefix) -> ours (fused q|k|v and gate|up)."""
+    out = dict(state)
+    for i in range(cfg.num_layers):
+        fuse_attention_and_mlp_keys(out, f"layers.{i}.")
+    return out
+
+
+def dummy_dflash_config(target) -> dict:
+    """A DFlash config in the target's shape (2 layers, block 8), for random-init demo drafts."""
+    t = target.config
+    layers = 2
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": layers,
+        "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
+        "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope.theta,
+        "vocab_size": t.vocab_size, "num_target_layers": t.num_layers, "block_size": 8,
+        "layer_types": ["full_attention"] * layers,
+        "dflash_config": {
+            "mask_token_id": t.vocab_size - 1,
+            "target_layer_ids": list(default_target_layer_ids(t.num_layers, layers)),
+        },
+    }
+
+
+def load_dflash_draft(config: dict, folder, target, *, num_speculative_tokens: int | None,
+                      dtype: torch.dtype, device, dummy: bool, seed: int = 0) -> DFlashDraft:
+    """Build the draft for `target` from its HF config and weights (or random weights when dummy)."""
+    from specgen.checkpoints.store import weight_files
+    from specgen.checkpoints.weights import load_into, random_init, read_tensors
+
+    where = str(folder) if folder else "draft"
+    try:
+        cfg = DFlashConfig.from_hf(config, target_layers=target.num_layers,
+                                   target_hidden=target.hidden_size, target_vocab=target.vocab_size)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}/config.json: not a usable DFlash config: {err}") from err
+    k = cfg.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
+    if not 1 <= k <= cfg.block_size - 1:
+        raise ValueError(f"num_speculative_tokens {k} must be in 1..block_size - 1 = {cfg.block_size - 1}")
+    if getattr(target, "lm_head", None) is None:
+        raise CheckpointError(f"{where}: DFlash needs the target's lm_head, which this target lacks")
+    state = {} if dummy else convert_dflash_state_dict(read_tensors(weight_files(folder)), cfg)
+    with torch.device("meta" if not dummy else device):
+        draft = DFlashDraft(cfg, k, target)
+    if dummy:
+        draft.to(dtype)
+        random_init(draft, seed=seed)
+    else:
+        load_into(draft, state, dtype=dtype, device=device, where=where)
+    draft.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
+    return draft.eval().requires_grad_(False)

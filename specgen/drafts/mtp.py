@@ -1,0 +1,324 @@
+"""MTP draft (DeepSeek-V3 multi-token prediction module), drafted as a chain.
+
+Contract: the `Draft` interface of drafts/base.py. One pass of the module over entry j (feature of
+position p_j, token t at p_j + 1, draft-cache entry at p_j, predicts the token at p_j + 2):
+
+    x = eh_proj(cat(enorm(embed(t)), hnorm(h)))     # embedding FIRST, as the checkpoints and engines do
+    o = block(x)                                     # a full decoder layer with its own 1-layer KV cache
+    logits = shared_head.head(shared_head.norm(o))
+
+K > 1 reuses the one layer K times (drafts/chain.py): the pre-norm output `o` is the next feature.
+
+Which target hidden state `h` is: the target's last hidden state AFTER its final norm (`model.norm`).
+- DeepSeek-V3 `inference/model.py` (`Transformer.forward`) has no MTP module at all (`convert.py` skips
+  `model.layers.61`); the only last hidden state it forms is `self.norm(h)`, fed to the head.
+- vLLM `vllm/v1/worker/gpu_model_runner.py` (`propose_draft_token_ids`) passes the target model's
+  output `hidden_states` as `target_hidden_states` to the proposer (`vllm/v1/spec_decode/eagle.py`,
+  `propose`) for MTP (aux states are only used by EAGLE-3); that output is what
+  `DeepseekV2Model.forward` returns after `hidden_states, _ = self.norm(hidden_states, residual)`.
+  `DeepSeekMultiTokenPredictorLayer.forward` (`vllm/model_executor/models/deepseek_mtp.py`) then
+  applies `hnorm` to it and returns `residual + hidden_states` (pre `shared_head.norm`), which the
+  proposer feeds back for the next step; `compute_logits` applies `shared_head.norm` then the head.
+So the draft captures layer output L-1 (the last layer's output BEFORE the final norm, DESIGN.md
+section 5) and applies the target's own `model.norm` to it. vLLM also zeroes the embedding of the
+entry at position 0; we do not (it only touches the first prompt entry, and the DeepSeek report's
+formula has no such rule): draft quality only, never losslessness.
+
+Checkpoint layout (README_WEIGHTS.md of DeepSeek-V3, ALGORITHMS.md section 3.2): the layer sits at
+`model.layers.{N}.*` with N = `num_hidden_layers`, either inside the target checkpoint (then `config`
+is the target's config.json) or in a separate folder with the same key names and its own config.json.
+Only `num_nextn_predict_layers` == 1 is supported. `embed_tokens` and `shared_head.head` are optional:
+absent (or equal to the target's, as DeepSeek stores duplicates) they are shared with the target.
+
+The block is pluggable (`MTP_BLOCKS`, keyed by `model_type`): a block module exposes
+`decode(h [B, T, H], positions [B, T], cache, kv_len, slots) -> [B, T, H]`, `new_cache`, `cache_bytes`
+and `init_buffers(device)`; an adapter rewrites its checkpoint keys. Only the Llama decoder layer is
+provided; the DeepSeek-V3 block (MLA + MoE) plugs in beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from specgen.checkpoints.store import CheckpointError
+from specgen.drafts.base import Pick
+from specgen.drafts.chain import chain_propose
+from specgen.models.layers import (
+    KVCache,
+    RMSNorm,
+    causal_mask,
+    fuse_attention_and_mlp_keys,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from specgen.models.llama import LlamaConfig, LlamaDecoderLayer
+
+# ------------------------------------------------------------------------------------------ blocks
+
+
+class LlamaMtpBlock(LlamaDecoderLayer):
+    """The Llama decoder layer as an MTP block: its own RoPE (the config's) and a 1-layer KV cache."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__(cfg)
+        self.config = cfg
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+
+    def init_buffers(self, device) -> None:
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
+
+    def decode(self, h, positions, cache, kv_len, slots):
+        # h: [B, T, H]; positions: [B, T] -> [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        return self(h, cos, sin, cache, 0, positions, causal_mask(positions, kv_len), kv_len, slots)
+
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+        c = self.config
+        return KVCache(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
+
+    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
+        c = self.config
+        return KVCache.bytes_needed(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype)
+
+
+def _llama_block_parameters(c: LlamaConfig) -> int:
+    h, d = c.hidden_size, c.head_dim
+    attn = h * (c.num_heads + 2 * c.num_kv_heads) * d + c.num_heads * d * h
+    return attn + 3 * h * c.intermediate_size + 2 * h
+
+
+@dataclass(frozen=True, slots=True)
+class BlockKind:
+    read_config: Callable[[dict], Any]              # HF config -> block config
+    build: Callable[[Any], nn.Module]               # block config -> module
+    adapt_keys: Callable[[dict, str], None]         # rewrite checkpoint keys under a prefix, in place
+    num_parameters: Callable[[Any], int]
+
+
+# model_type -> block; the DeepSeek-V3 block (MLA attention + MoE MLP) is not implemented yet.
+MTP_BLOCKS: dict[str, BlockKind] = {
+    "llama": BlockKind(LlamaConfig.from_hf, LlamaMtpBlock, fuse_attention_and_mlp_keys,
+                       _llama_block_parameters),
+}
+
+
+def block_type(config: dict) -> str:
+    model_type = config.get("model_type")
+    if not model_type and any("Llama" in a for a in config.get("architectures") or []):
+        model_type = "llama"
+    if model_type not in MTP_BLOCKS:
+        raise ValueError(f"MTP block for model_type {model_type!r} is not supported "
+                         f"(supported: {', '.join(MTP_BLOCKS)})")
+    return model_type
+
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@dataclass(frozen=True, slots=True)
+class MtpConfig:
+    hidden_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    layer_index: int                  # N: the layer lives at model.layers.{N}.*
+    aux_layer_ids: tuple[int, ...]    # (L_target - 1,): the last layer's output, before the final norm
+    block_type: str
+    block: Any                        # the block's own config (LlamaConfig for "llama")
+
+    @classmethod
+    def from_hf(cls, config: dict, *, target_layers: int, target_hidden: int,
+                target_vocab: int) -> MtpConfig:
+        nextn = int(config.get("num_nextn_predict_layers", 1))
+        if nextn != 1:
+            raise ValueError(f"num_nextn_predict_layers is {nextn}; only one MTP layer is supported")
+        hidden = int(config["hidden_size"])
+        if hidden != target_hidden:
+            raise ValueError(f"hidden_size {hidden} differs from the target's {target_hidden}")
+        vocab = int(config.get("vocab_size") or target_vocab)
+        if vocab != target_vocab:
+            raise ValueError(f"vocab_size {vocab} differs from the target's {target_vocab}")
+        kind = block_type(config)
+        return cls(
+            hidden_size=hidden,
+            vocab_size=vocab,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            layer_index=int(config["num_hidden_layers"]),
+            aux_layer_ids=(target_layers - 1,),
+            block_type=kind,
+            block=MTP_BLOCKS[kind].read_config(config),
+        )
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.block.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.block.head_dim
+
+    def num_parameters(self, own_embedding: bool = False, own_head: bool = False) -> int:
+        h, v = self.hidden_size, self.vocab_size
+        own = (v * h if own_embedding else 0) + (v * h if own_head else 0)
+        # enorm + hnorm + eh_proj + shared_head.norm + block
+        return 3 * h + 2 * h * h + MTP_BLOCKS[self.block_type].num_parameters(self.block) + own
+
+
+# ------------------------------------------------------------------------------------------- draft
+
+
+class SharedHead(nn.Module):
+    def __init__(self, cfg: MtpConfig, own_head: bool) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
+
+
+class MtpDraft(nn.Module):
+    """The MTP module over any block; the target's embedding, head and final norm are shared, held
+    outside the module tree so they are neither saved nor loaded as draft weights."""
+
+    def __init__(self, cfg: MtpConfig, block: nn.Module, num_speculative_tokens: int, target, *,
+                 own_embedding: bool, own_head: bool) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.config = cfg
+        self.aux_layer_ids = cfg.aux_layer_ids
+        self.num_speculative_tokens = num_speculative_tokens
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, h) if own_embedding else None
+        self.enorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = block
+        self.shared_head = SharedHead(cfg, own_head)
+        self._target = (target.model.embed_tokens, target.lm_head, target.model.norm)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        table = self.embed_tokens if self.embed_tokens is not None else self._target[0]
+        return table(tokens)
+
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device):
+        return self.block.new_cache(slots, max_len, dtype, device)
+
+    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
+        return self.block.cache_bytes(slots, max_len, dtype)
+
+    def _pass(self, feature, tokens, positions, cache, kv_len, slots):
+        # feature: [B, T, H]; tokens, positions: [B, T] -> pre-norm block output [B, T, H]
+        x = self.eh_proj(torch.cat((self.enorm(self.embed(tokens)), self.hnorm(feature)), -1))
+        return self.block.decode(x, positions, cache, kv_len, slots)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, H] -> [B, V]
+        head = self.shared_head.head if self.shared_head.head is not None else self._target[1]
+        return head(self.shared_head.norm(hidden))
+
+    def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
+                last_index: torch.Tensor, cache, kv_len: int, pick: Pick,
+                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # aux: [B, T, H] the target's last layer output (pre final norm); next_tokens, positions: [B, T]
+        # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
+        feature = self._target[2](aux)                       # the target's final norm (see docstring)
+        return chain_propose(self, feature, next_tokens, positions, last_index, cache, kv_len, pick, slots)
+
+
+# ----------------------------------------------------------------------------------------- loading
+
+
+def _key_names(folder: Path) -> list[str]:
+    from safetensors import safe_open
+
+    from specgen.checkpoints.store import weight_files
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    names: list[str] = []
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:   # reads the header only
+                names.extend(f.keys())
+        except (OSError, RuntimeError, ValueError) as err:
+            raise CheckpointError(f"{path}: cannot read safetensors: {err}") from err
+    return names
+
+
+def has_mtp_layer(folder, config: dict) -> bool:
+    """Whether the checkpoint in `folder` carries `model.layers.{num_hidden_layers}.*` (an MTP layer)."""
+    if folder is None:
+        return False
+    prefix = f"model.layers.{int(config['num_hidden_layers'])}."
+    return any(name.startswith(prefix) for name in _key_names(Path(folder)))
+
+
+def convert_mtp_state_dict(state: dict[str, torch.Tensor], cfg: MtpConfig) -> dict[str, torch.Tensor]:
+    """Keys under model.layers.{N}. (prefix stripped) -> ours: the block's keys go under `block.`."""
+    own = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+    out = {(k if k.startswith(own) else "block." + k): v for k, v in state.items()}
+    MTP_BLOCKS[cfg.block_type].adapt_keys(out, "block.")
+    return out
+
+
+def _drop_duplicate(state: dict, key: str, shared: torch.Tensor, dtype: torch.dtype) -> None:
+    """DeepSeek stores the shared embedding / head again in the MTP layer: share, don't copy."""
+    tensor = state.get(key)
+    if tensor is not None and tensor.shape == shared.shape and torch.equal(
+            tensor.to(device=shared.device, dtype=dtype), shared):
+        del state[key]
+
+
+def dummy_mtp_config(target) -> dict:
+    """A one-layer MTP config in the target's shape (Llama block), for random-init demo drafts."""
+    t = target.config
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "num_hidden_layers": t.num_layers, "num_nextn_predict_layers": 1,
+        "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads,
+        "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps, "rope_theta": t.rope.theta,
+        "vocab_size": t.vocab_size,
+    }
+    if t.rope.rope_type != "default":
+        config["rope_scaling"] = {"rope_type": t.rope.rope_type, **t.rope.params}
+    return config
+
+
+def load_mtp_draft(config: dict, folder, target, *, num_speculative_tokens: int,
+                   dtype: torch.dtype, device, dummy: bool, seed: int = 0) -> MtpDraft:
+    """Build the MTP draft for `target` from `config` (the draft folder's, or the target's own when the
+    layer sits inside the target checkpoint and `folder` is the target folder)."""
+    from specgen.checkpoints.store import weight_files
+    from specgen.checkpoints.weights import load_into, random_init, read_tensors
+
+    where = str(folder) if folder else "draft"
+    try:
+        cfg = MtpConfig.from_hf(config, target_layers=target.num_layers,
+                                target_hidden=target.hidden_size, target_vocab=target.vocab_size)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}/config.json: not a usable MTP config: {err}") from err
+    state: dict[str, torch.Tensor] = {}
+    if not dummy:
+        prefix = f"model.layers.{cfg.layer_index}."
+        state = read_tensors(weight_files(Path(folder)), prefix=prefix, strip_prefix=True)
+        if not state:
+            raise CheckpointError(f"{where}: no MTP layer (no weights under {prefix}*)")
+        state = convert_mtp_state_dict(state, cfg)
+        _drop_duplicate(state, "embed_tokens.weight", target.model.embed_tokens.weight, dtype)
+        _drop_duplicate(state, "shared_head.head.weight", target.lm_head.weight, dtype)
+    own_embedding, own_head = "embed_tokens.weight" in state, "shared_head.head.weight" in state
+    with torch.device("meta" if not dummy else device):
+        block = MTP_BLOCKS[cfg.block_type].build(cfg.block)
+        draft = MtpDraft(cfg, block, num_speculative_tokens, target,
+                         own_embedding=own_embedding, own_head=own_head)
+    if dummy:
+        draft.to(dtype)
+        random_init(draft, seed=seed)
+    else:
+        load_into(draft, state, dtype=dtype, device=device, where=where)
+    draft.block.init_buffers(device)
+    return draft.eval().requires_grad_(False)
