@@ -218,7 +218,7 @@ def iter_json_array(f: BinaryIO, chunk_size: int = 1 << 20) -> Iterator[Any]:
     want = chunk_size
 
     def refill() -> bool:
-        nonlocal buf, pos, eof, want
+        nonlocal buf, pos, eof
         if eof:
             return False
         data = f.read(want)

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from specgen.checkpoints.store import CheckpointError, read_config, resolve_checkpoint
-from specgen.checkpoints.tokenizer import has_tokenizer, load_tokenizer
-from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, error_record, read_prompts,
+from specgen.checkpoints.tokenizer import load_tokenizer
+from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
                           stats_path, tokenize_prompt, write_json_atomic)
 from specgen.drafts.mtp import has_mtp_layer
 from specgen.models.loading import architecture_name, load_target, target_config

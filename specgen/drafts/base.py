@@ -37,3 +37,30 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's default capture: the residual entering layers 2, L//2 and L-3, named as outputs."""
     n = num_target_layers
     return (1, n // 2 - 1, n - 4)
+
+
+def read_draft_config(config_cls, config: dict, target, where: str, name: str):
+    """The draft's config checked against its target; a bad one is a CheckpointError naming the file."""
+    from specgen.checkpoints.store import CheckpointError
+
+    try:
+        return config_cls.from_hf(config, target_layers=target.num_layers,
+                                  target_hidden=target.hidden_size, target_vocab=target.vocab_size)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}/config.json: not a usable {name} config: {err}") from err
+
+
+def materialise(make: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor], *, dummy: bool,
+                dtype: torch.dtype, device, seed: int, where: str) -> torch.nn.Module:
+    """Build a draft on the meta device and assign its checkpoint tensors, or build it on `device`
+    with deterministic random weights (load_format: dummy)."""
+    from specgen.checkpoints.weights import load_into, random_init
+
+    with torch.device(device if dummy else "meta"):
+        draft = make()
+    if dummy:
+        draft.to(dtype)
+        random_init(draft, seed=seed)
+    else:
+        load_into(draft, state, dtype=dtype, device=device, where=where)
+    return draft

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgen.checkpoints.store import CheckpointError
-from specgen.drafts.base import Pick
+from specgen.drafts.base import Pick, materialise, read_draft_config
 from specgen.models.layers import (
     GatedMLP,
     KVCache,
@@ -332,26 +332,17 @@ def load_dflash_draft(config: dict, folder, target, *, num_speculative_tokens: i
                       dtype: torch.dtype, device, dummy: bool, seed: int = 0) -> DFlashDraft:
     """Build the draft for `target` from its HF config and weights (or random weights when dummy)."""
     from specgen.checkpoints.store import weight_files
-    from specgen.checkpoints.weights import load_into, random_init, read_tensors
+    from specgen.checkpoints.weights import read_tensors
 
     where = str(folder) if folder else "draft"
-    try:
-        cfg = DFlashConfig.from_hf(config, target_layers=target.num_layers,
-                                   target_hidden=target.hidden_size, target_vocab=target.vocab_size)
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{where}/config.json: not a usable DFlash config: {err}") from err
+    cfg = read_draft_config(DFlashConfig, config, target, where, "DFlash")
     k = cfg.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
     if not 1 <= k <= cfg.block_size - 1:
         raise ValueError(f"num_speculative_tokens {k} must be in 1..block_size - 1 = {cfg.block_size - 1}")
     if getattr(target, "lm_head", None) is None:
         raise CheckpointError(f"{where}: DFlash needs the target's lm_head, which this target lacks")
     state = {} if dummy else convert_dflash_state_dict(read_tensors(weight_files(folder)), cfg)
-    with torch.device("meta" if not dummy else device):
-        draft = DFlashDraft(cfg, k, target)
-    if dummy:
-        draft.to(dtype)
-        random_init(draft, seed=seed)
-    else:
-        load_into(draft, state, dtype=dtype, device=device, where=where)
+    draft = materialise(lambda: DFlashDraft(cfg, k, target), state, dummy=dummy, dtype=dtype,
+                        device=device, seed=seed, where=where)
     draft.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
     return draft.eval().requires_grad_(False)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specgen.checkpoints.store import CheckpointError
-from specgen.drafts.base import Pick, default_aux_layer_ids
+from specgen.drafts.base import Pick, default_aux_layer_ids, materialise, read_draft_config
 from specgen.drafts.chain import chain_propose
 from specgen.models.layers import (
     CachedSelfAttention,
@@ -224,14 +224,10 @@ def load_eagle3_draft(config: dict, folder, target, *, num_speculative_tokens: i
                       dtype: torch.dtype, device, dummy: bool, seed: int = 0) -> Eagle3Draft:
     """Build the draft for `target` from its HF config and weights (or random weights when dummy)."""
     from specgen.checkpoints.store import weight_files
-    from specgen.checkpoints.weights import load_into, random_init, read_tensors
+    from specgen.checkpoints.weights import read_tensors
 
     where = str(folder) if folder else "draft"
-    try:
-        cfg = Eagle3Config.from_hf(config, target_layers=target.num_layers,
-                                   target_hidden=target.hidden_size, target_vocab=target.vocab_size)
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{where}/config.json: not a usable EAGLE-3 config: {err}") from err
+    cfg = read_draft_config(Eagle3Config, config, target, where, "EAGLE-3")
     state, mapping = {}, None
     if not dummy:
         state, mapping = convert_eagle3_state_dict(read_tensors(weight_files(folder)), cfg, where)
@@ -240,13 +236,8 @@ def load_eagle3_draft(config: dict, folder, target, *, num_speculative_tokens: i
         raise CheckpointError(f"{where}: the draft has no embed_tokens.weight, so it shares the target's "
                               f"embedding, but its hidden_size {cfg.hidden_size} differs from the "
                               f"target's {target.hidden_size}")
-    with torch.device("meta" if not dummy else device):
-        draft = Eagle3Draft(cfg, num_speculative_tokens, shared)
-    if dummy:
-        draft.to(dtype)
-        random_init(draft, seed=seed)
-    else:
-        load_into(draft, state, dtype=dtype, device=device, where=where)
+    draft = materialise(lambda: Eagle3Draft(cfg, num_speculative_tokens, shared), state, dummy=dummy,
+                        dtype=dtype, device=device, seed=seed, where=where)
     draft.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
     draft.draft_to_target = (mapping if mapping is not None
                              else torch.arange(cfg.draft_vocab_size)).to(device)

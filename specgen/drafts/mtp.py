@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from specgen.checkpoints.store import CheckpointError
-from specgen.drafts.base import Pick
+from specgen.drafts.base import Pick, materialise, read_draft_config
 from specgen.drafts.chain import chain_propose
 from specgen.models.layers import (
     KVCache,
@@ -293,14 +293,10 @@ def load_mtp_draft(config: dict, folder, target, *, num_speculative_tokens: int,
     """Build the MTP draft for `target` from `config` (the draft folder's, or the target's own when the
     layer sits inside the target checkpoint and `folder` is the target folder)."""
     from specgen.checkpoints.store import weight_files
-    from specgen.checkpoints.weights import load_into, random_init, read_tensors
+    from specgen.checkpoints.weights import read_tensors
 
     where = str(folder) if folder else "draft"
-    try:
-        cfg = MtpConfig.from_hf(config, target_layers=target.num_layers,
-                                target_hidden=target.hidden_size, target_vocab=target.vocab_size)
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{where}/config.json: not a usable MTP config: {err}") from err
+    cfg = read_draft_config(MtpConfig, config, target, where, "MTP")
     state: dict[str, torch.Tensor] = {}
     if not dummy:
         prefix = f"model.layers.{cfg.layer_index}."
@@ -311,14 +307,9 @@ def load_mtp_draft(config: dict, folder, target, *, num_speculative_tokens: int,
         _drop_duplicate(state, "embed_tokens.weight", target.model.embed_tokens.weight, dtype)
         _drop_duplicate(state, "shared_head.head.weight", target.lm_head.weight, dtype)
     own_embedding, own_head = "embed_tokens.weight" in state, "shared_head.head.weight" in state
-    with torch.device("meta" if not dummy else device):
-        block = MTP_BLOCKS[cfg.block_type].build(cfg.block)
-        draft = MtpDraft(cfg, block, num_speculative_tokens, target,
-                         own_embedding=own_embedding, own_head=own_head)
-    if dummy:
-        draft.to(dtype)
-        random_init(draft, seed=seed)
-    else:
-        load_into(draft, state, dtype=dtype, device=device, where=where)
+    draft = materialise(lambda: MtpDraft(cfg, MTP_BLOCKS[cfg.block_type].build(cfg.block),
+                                         num_speculative_tokens, target, own_embedding=own_embedding,
+                                         own_head=own_head),
+                        state, dummy=dummy, dtype=dtype, device=device, seed=seed, where=where)
     draft.block.init_buffers(device)
     return draft.eval().requires_grad_(False)
