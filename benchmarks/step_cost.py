@@ -35,7 +35,7 @@ def ms_per_step(recipe_path: str, method: str, batch: int, steps: int, compile: 
         totals = runner.run(requests, lambda c: None)
         return (time.perf_counter() - start) / totals.steps
 
-    go("warm", 8)
+    go("warm", steps)  # same lengths as the timed run: every compiled variant is built here
     return go("timed", steps) * 1000
 
 

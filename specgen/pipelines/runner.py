@@ -102,6 +102,9 @@ class Runner:
             # Weights never change during a run: let Inductor fold them in as constants (on CPU this
             # also prepacks them for oneDNN, ~1.4x at batch 8).
             inductor_config.freezing = True
+            # One compiled variant per (runner, kv bucket): several runners in one process (tests,
+            # benchmarks, library users) would otherwise hit Dynamo's default limit of 8 per function.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             mode = None
             if device.type == "cuda":
                 # CUDA graphs replay fixed addresses: the caches the step writes must be static inputs.
