@@ -370,13 +370,15 @@ def test_features_are_the_targets_normed_last_hidden_state(target_dir, target):
 # ----------------------------------------------------------------------------- 3. losslessness
 
 
-def mtp_runner(target_dir: Path, k: int, *, stochastic: bool = False, batch: int = 4, **sampling) -> Runner:
+def mtp_runner(target_dir: Path, k: int, *, stochastic: bool = False, batch: int = 4, compile: bool = False,
+               **sampling) -> Runner:
     base = runner_for(make_recipe(target_dir, batch=batch, **sampling))
     target = base.unified.target
     draft = load_draft(target_dir, target, k=k)
     step = UnifiedStep(target, draft, stochastic_drafts=stochastic)
     return Runner(step, batch_size=base.batch_size, max_seq_len=base.max_seq_len, rules=base.rules,
-                  sampling=base.sampling, seed=base.seed, device=base.device, dtype=torch.float32)
+                  sampling=base.sampling, seed=base.seed, device=base.device, dtype=torch.float32,
+                  compile=compile)
 
 
 @pytest.fixture(scope="module")
@@ -413,3 +415,13 @@ def test_stochastic_mtp_draft_keeps_the_target_distribution(tmp_path):
     for position, probs in enumerate(exact_marginals(runner, prompt, 3)):
         samples = [results[f"r{i}"][position] for i in range(n)]
         assert chi_square_p(samples, probs) > 1e-3, f"output token {position + 1} is off-distribution"
+
+
+def test_compiled_mtp_step_equals_eager(target_dir):
+    ids = prompts(lengths=(3, 6))
+    eager, eager_totals = run(mtp_runner(target_dir, 2, batch=2), ids, max_tokens=6)
+    runner = mtp_runner(target_dir, 2, batch=2, compile=True)
+    assert runner.step_fn is not runner.unified.step
+    compiled, totals = run(runner, ids, max_tokens=6)
+    assert compiled == eager
+    assert totals.spec.acceptance_histogram == eager_totals.spec.acceptance_histogram
