@@ -24,6 +24,7 @@ from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
                           stats_path, tokenize_prompt, write_json_atomic)
 from specgen.drafts.mtp import has_mtp_layer
+from specgen.models.layers import KVCache
 from specgen.models.loading import architecture_name, load_target, target_config
 from specgen.pipelines.registry import check_pairing, draft_kind
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
@@ -114,13 +115,14 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
         # A DFlash draft without an explicit K drafts a whole block.
         k = recipe.draft.num_speculative_tokens or getattr(dcfg, "block_size", 2) - 1
     seq = recipe.runtime.max_seq_len + 2 * k + 2
-    kv = 2 * cfg.num_layers * b * cfg.num_kv_heads * seq * cfg.head_dim * item
+    kv = KVCache.bytes_needed(cfg.num_layers, b, cfg.num_kv_heads, seq, cfg.head_dim, r.dtype)
     parts = {"target weights": cfg.num_parameters() * item, "target KV cache": kv,
              "logits workspace": 4 * b * (k + 1) * cfg.vocab_size * 4}
     if dcfg is not None:
         parts["draft weights"] = dcfg.num_parameters() * item
         layers = getattr(dcfg, "num_layers", 1)
-        parts["draft KV cache"] = 2 * layers * b * dcfg.num_kv_heads * seq * dcfg.head_dim * item
+        parts["draft KV cache"] = KVCache.bytes_needed(layers, b, dcfg.num_kv_heads, seq, dcfg.head_dim,
+                                                       r.dtype)
         if recipe.draft.stochastic:
             parts["draft probabilities"] = b * k * cfg.vocab_size * 4
     return parts

@@ -259,10 +259,6 @@ class DFlashDraft(nn.Module):
         c = self.config
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
-    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
-        c = self.config
-        return KVCache.bytes_needed(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype)
-
     def block_logits(self, aux, next_tokens, positions, last_index, cache: KVCache, kv_len: int,
                      slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # aux: [B, T, n * H]; next_tokens, positions: [B, T]; last_index: [B]

@@ -152,10 +152,6 @@ class Eagle3Draft(nn.Module):
         c = self.config
         return KVCache(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
-    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
-        c = self.config
-        return KVCache.bytes_needed(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype)
-
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         # [B, Vd] -> [B, V]; tokens outside the draft vocabulary can never be drafted (-inf).
         if not self.reduced_vocab:

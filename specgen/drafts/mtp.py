@@ -31,7 +31,7 @@ Only `num_nextn_predict_layers` == 1 is supported. `embed_tokens` and `shared_he
 absent (or equal to the target's, as DeepSeek stores duplicates) they are shared with the target.
 
 The block is pluggable (`MTP_BLOCKS`, keyed by `model_type`): a block module exposes
-`decode(h [B, T, H], positions [B, T], cache, kv_len, slots) -> [B, T, H]`, `new_cache`, `cache_bytes`
+`decode(h [B, T, H], positions [B, T], cache, kv_len, slots) -> [B, T, H]`, `new_cache`
 and `init_buffers(device)`; an adapter rewrites its checkpoint keys. Only the Llama decoder layer is
 provided; the DeepSeek-V3 block (MLA + MoE) plugs in beside it.
 """
@@ -82,15 +82,6 @@ class LlamaMtpBlock(LlamaDecoderLayer):
         c = self.config
         return KVCache(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
-    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
-        c = self.config
-        return KVCache.bytes_needed(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype)
-
-
-def _llama_block_parameters(c: LlamaConfig) -> int:
-    h, d = c.hidden_size, c.head_dim
-    attn = h * (c.num_heads + 2 * c.num_kv_heads) * d + c.num_heads * d * h
-    return attn + 3 * h * c.intermediate_size + 2 * h
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +95,7 @@ class BlockKind:
 # model_type -> block; the DeepSeek-V3 block (MLA attention + MoE MLP) is not implemented yet.
 MTP_BLOCKS: dict[str, BlockKind] = {
     "llama": BlockKind(LlamaConfig.from_hf, LlamaMtpBlock, fuse_attention_and_mlp_keys,
-                       _llama_block_parameters),
+                       LlamaConfig.layer_parameters),
 }
 
 
@@ -205,8 +196,6 @@ class MtpDraft(nn.Module):
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device):
         return self.block.new_cache(slots, max_len, dtype, device)
 
-    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
-        return self.block.cache_bytes(slots, max_len, dtype)
 
     def _pass(self, feature, tokens, positions, cache, kv_len, slots):
         # feature: [B, T, H]; tokens, positions: [B, T] -> pre-norm block output [B, T, H]

@@ -64,13 +64,17 @@ class LlamaConfig:
             max_position_embeddings=int(config.get("max_position_embeddings", 8192)),
         )
 
-    def num_parameters(self) -> int:
-        """Parameter count from the config alone (memory estimates before loading)."""
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer (attention, MLP, two norms)."""
         h, d = self.hidden_size, self.head_dim
         attn = h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        return attn + 3 * h * self.intermediate_size + 2 * h
+
+    def num_parameters(self) -> int:
+        """Parameter count from the config alone (memory estimates before loading)."""
+        h = self.hidden_size
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_layers * layer + self.vocab_size * h + h + head
+        return self.num_layers * self.layer_parameters() + self.vocab_size * h + h + head
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -129,9 +133,6 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
-    def cache_bytes(self, slots: int, max_len: int, dtype: torch.dtype) -> int:
-        c = self.config
-        return KVCache.bytes_needed(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
                 *, slots: torch.Tensor | None = None, logits_from: int = 0,

@@ -2,7 +2,7 @@
 
 Contract: `load_target(config, folder, dtype=..., device=..., dummy=...)` returns a model in eval mode
 on `device` with the target interface used by pipelines/ (forward, embed, head, new_cache,
-cache_bytes, num_layers, hidden_size, vocab_size). `TARGET_ARCHITECTURES` is the one table of
+num_layers, hidden_size, vocab_size). `TARGET_ARCHITECTURES` is the one table of
 supported architectures.
 """
 
