@@ -36,7 +36,9 @@ def ms_per_step(recipe_path: str, method: str, batch: int, steps: int, compile: 
         return (time.perf_counter() - start) / totals.steps
 
     go("warm", steps)  # same lengths as the timed run: every compiled variant is built here
-    return go("timed", steps) * 1000
+    timed = go("timed", steps) * 1000
+    runner.close()
+    return timed
 
 
 def main() -> None:

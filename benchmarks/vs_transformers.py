@@ -34,7 +34,9 @@ def ours(recipe_path: str, batch: int, prompts: list[list[int]], max_tokens: int
         return totals.output_tokens / (time.perf_counter() - start)
 
     go("warm")
-    return go("timed")
+    timed = go("timed")
+    runner.close()
+    return timed
 
 
 def transformers_generate(folder, batch: int, prompts: list[list[int]], max_tokens: int, device,

@@ -42,8 +42,9 @@ def run(
     bar = _progress_bar()
     task = None
 
-    def on_start(total: int, notes: list[str]) -> None:
+    def on_start(total: int, header: str, notes: list[str]) -> None:
         nonlocal task
+        console.print(f"specgen: {header}", highlight=False, soft_wrap=True)
         for note in notes:
             console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
         bar.start()
@@ -54,9 +55,12 @@ def run(
         bar.update(task, completed=p.finished, rate=f"{p.tokens_per_second:,.1f} tok/s",
                    accept=f"accept len {mal:.2f}" if mal is not None else "no draft")
 
+    def on_status(line: str) -> None:
+        bar.console.print(line, highlight=False)
+
     try:
         summary = run_job(parsed, prompts=prompts, output=output, limit=limit, resume=not no_resume,
-                          on_start=on_start, on_progress=on_progress)
+                          on_start=on_start, on_progress=on_progress, on_status=on_status)
     except JobError as err:
         bar.stop()
         console.print(f"[red]error:[/red] {err}", highlight=False)
@@ -83,6 +87,9 @@ def _print_summary(summary) -> None:
     rate = s["output_tokens_per_second"]
     line = (f"{s['requests']} prompts ({s['errors']} errors), {s['output_tokens']} tokens in "
             f"{s['generation_seconds']:.1f} s = {rate or 0:,.1f} tok/s")
+    if s["compile_seconds"]:
+        line += (f" (compiling took {s['compile_seconds']:.1f} s; "
+                 f"{s['steady_output_tokens_per_second'] or 0:,.1f} tok/s without it)")
     spec = s["spec"]
     if spec["mean_acceptance_length"] is not None:
         line += (f"; mean acceptance length {spec['mean_acceptance_length']:.2f}, "

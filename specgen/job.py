@@ -1,9 +1,10 @@
 """`specgen run` as a library call: a validated recipe in, results JSONL + stats JSON out.
 
 Contract: `run_job(recipe, ...)` resolves the device and checkpoints, checks that the run fits in
-memory BEFORE any weights load, skips ids already in the output (resume), streams one result line per
-prompt as it finishes (errors are records, never crashes), and writes `<output>.stats.json` at the end
-(also after Ctrl-C, for what finished). Raises `JobError` for problems with the run as a whole.
+memory BEFORE any weights load, skips ids already in the output (resume), decides the CPU threads and
+whether compiling pays (saying why in the run's header), streams one result line per prompt as it
+finishes (errors are records, never crashes), and writes `<output>.stats.json` at the end (also after
+Ctrl-C, for what finished). Raises `JobError` for problems with the run as a whole.
 """
 
 from __future__ import annotations
@@ -19,18 +20,18 @@ from pathlib import Path
 
 import torch
 
-from specgen.checkpoints.store import CheckpointError, read_config, resolve_checkpoint
+from specgen.checkpoints.loading import has_draft_layers, load_draft, load_target, target_config
+from specgen.checkpoints.store import CheckpointError, cache_root, read_config, resolve_checkpoint
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
                           stats_path, tokenize_prompt, write_json_atomic)
-from specgen.drafts.mtp import has_mtp_layer
-from specgen.models.layers import KVCache
-from specgen.models.loading import architecture_name, load_target, target_config
-from specgen.pipelines.registry import check_pairing, draft_kind
+from specgen.machine import choose_threads
+from specgen.pipelines.compiled import use_compile_cache
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
 from specgen.pipelines.stops import StopRules, eos_ids_from
 from specgen.pipelines.unified import UnifiedStep
 from specgen.recipe import Recipe
+from specgen.registry import DRAFT_METHODS, UnsupportedError, architecture_name, check_pairing
 from specgen.sampling import SamplingTensors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -82,7 +83,7 @@ def resolve(recipe: Recipe) -> Resolved:
             check_pairing(architecture_name(config), recipe.draft.method)
             if recipe.draft.load_format != "dummy":
                 draft_folder, draft_cfg = _draft_checkpoint(recipe, folder, config)
-    except (CheckpointError, ValueError) as err:
+    except (CheckpointError, UnsupportedError, ValueError) as err:
         raise JobError(str(err)) from err
     return Resolved(device, DTYPES[dtype_name], folder, config, draft_folder, draft_cfg)
 
@@ -91,47 +92,62 @@ def _draft_checkpoint(recipe: Recipe, target_folder: Path, target_config: dict) 
     if recipe.draft.model is not None:
         folder = resolve_checkpoint(recipe.draft.model)
         return folder, read_config(folder)
-    # Only methods whose layer can live in the target's checkpoint get here (recipe.DRAFT_IN_TARGET).
-    if not has_mtp_layer(target_folder, target_config):
-        raise CheckpointError(f"{target_folder}: draft.method {recipe.draft.method} without draft.model needs "
-                              f"MTP layers in the target checkpoint (model.layers."
-                              f"{target_config.get('num_hidden_layers')}.*), and there are none")
+    # Only methods whose layer can live in the target's checkpoint get here (registry: lives_in_target).
+    method = recipe.draft.method
+    if not has_draft_layers(method, target_folder, target_config):
+        prefix = DRAFT_METHODS[method].builder().weight_prefix(target_config)
+        raise CheckpointError(f"{target_folder}: draft.method {method} without draft.model needs "
+                              f"{method.upper()} layers in the target checkpoint ({prefix}*), and there "
+                              "are none")
     return target_folder, target_config
 
 
 # ------------------------------------------------------------------------------------------- memory
 
 
+def draft_config(recipe: Recipe, r: Resolved, cfg):
+    """The draft's config object (from its checkpoint, or the dummy config in the target's shape)."""
+    builder = DRAFT_METHODS[recipe.draft.method].builder()
+    return builder.config_cls.from_hf(r.draft_config or builder.dummy_config(cfg.shape()),
+                                      target_layers=cfg.num_layers, target_hidden=cfg.hidden_size,
+                                      target_vocab=cfg.vocab_size)
+
+
 def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
-    """What the run will hold, from configs alone: weights, KV caches, per-step logits workspace."""
+    """What the run will hold, from configs alone: weights, caches, and the transients of a step and
+    a prefill call (logits and their processing, attention workspace, activations; on CUDA the
+    graph pool keeps the step's transients for good)."""
     cfg = target_config(r.target_config)
     item = torch.empty((), dtype=r.dtype).element_size()
     b, k, dcfg = recipe.runtime.batch_size, 0, None
     if recipe.draft.enabled:
-        _, dummy_config, config_cls = draft_kind(recipe.draft.method)
-        dcfg = config_cls.from_hf(r.draft_config or dummy_config_for(cfg, dummy_config),
-                                  target_layers=cfg.num_layers, target_hidden=cfg.hidden_size,
-                                  target_vocab=cfg.vocab_size)
+        dcfg = draft_config(recipe, r, cfg)
         # A DFlash draft without an explicit K drafts a whole block.
         k = recipe.draft.num_speculative_tokens or getattr(dcfg, "block_size", 2) - 1
     seq = recipe.runtime.max_seq_len + 2 * k + 2
-    kv = KVCache.bytes_needed(cfg.num_layers, b, cfg.num_kv_heads, seq, cfg.head_dim, r.dtype)
-    parts = {"target weights": cfg.num_parameters() * item, "target KV cache": kv,
-             "logits workspace": 4 * b * (k + 1) * cfg.vocab_size * 4}
+    rows, vocab, hidden = b * (k + 1), cfg.vocab_size, cfg.hidden_size
+    s = recipe.sampling
+    sorts = s.temperature > 0 and s.top_p < 1 and s.top_k == 0   # a full-vocabulary sort per row
+    parts = {
+        "target weights": cfg.num_parameters() * item,
+        "target KV cache": cfg.cache_bytes_per_token(r.dtype) * b * seq,
+        # fp32 logits, processed log-probs, noise scores; sort values + indices when top-p sorts
+        "logits workspace": rows * vocab * 4 * (3 + (3 if sorts else 0)),
+        # the reference path's scores over the longest bucket (the kernel's split-K partials are less)
+        "attention workspace": rows * cfg.num_heads * seq * 4,
+        "activations": rows * (2 * cfg.intermediate_size + 6 * hidden) * 4,
+    }
+    chunk, budget = (2048, 16384) if r.device.type == "cuda" else (512, 4096)
+    parts["prefill workspace"] = budget * (2 * cfg.intermediate_size + 8 * hidden) * item + \
+        min(budget, b * chunk) * cfg.num_heads * chunk * 4 // max(1, b)
+    if r.device.type == "cuda" and recipe.runtime.compile is not False:
+        parts["CUDA graph pool"] = parts["logits workspace"] + parts["activations"]
     if dcfg is not None:
         parts["draft weights"] = dcfg.num_parameters() * item
-        layers = getattr(dcfg, "num_layers", 1)
-        parts["draft KV cache"] = KVCache.bytes_needed(layers, b, dcfg.num_kv_heads, seq, dcfg.head_dim,
-                                                       r.dtype)
+        parts["draft KV cache"] = dcfg.cache_bytes_per_token(r.dtype) * b * seq
         if recipe.draft.stochastic:
-            parts["draft probabilities"] = b * k * cfg.vocab_size * 4
+            parts["draft probabilities"] = 2 * b * k * vocab * 4
     return parts
-
-
-def dummy_config_for(cfg, dummy_config) -> dict:
-    class _Shape:  # the dummy-config builders read `target.config`
-        config = cfg
-    return dummy_config(_Shape)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -167,9 +183,34 @@ def request_key(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little")
 
 
-def build_runner(recipe: Recipe, r: Resolved, seed: int):
-    """Load the models and bind them into a Runner; returns (runner, tokenizer, notes)."""
+# CPU: compiling the step takes tens of seconds (Inductor, then a C++ compiler) and saves a fraction
+# of each step; below this many steps in a job, `runtime.compile: auto` stays eager.
+CPU_COMPILE_MIN_STEPS = 600
+
+
+def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | None) -> tuple[bool, str]:
+    """`runtime.compile` resolved: (compile?, why) for the run's header."""
+    setting = recipe.runtime.compile
+    if setting is not None:
+        return setting, "runtime.compile"
+    if device.type == "cuda":
+        return True, "auto: CUDA graphs"
+    if expected_steps is None:
+        return False, "auto: job size unknown"
+    if expected_steps >= CPU_COMPILE_MIN_STEPS:
+        return True, f"auto: about {expected_steps} steps, long enough to pay back compiling"
+    return False, (f"auto: about {expected_steps} steps, too few to pay back compiling "
+                   f"(needs >= {CPU_COMPILE_MIN_STEPS}; runtime.compile: true forces it)")
+
+
+def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int | None = None):
+    """Load the models and bind them into a Runner; returns (runner, tokenizer, notes).
+
+    `runner.header` is one line saying what runs where: device, dtype, threads, compile, batch, draft.
+    `expected_steps` (decode steps the job will take, roughly) lets `runtime.compile: auto` decide."""
     notes: list[str] = []
+    threads, why_threads = choose_threads(recipe.runtime.threads)
+    torch.set_num_threads(threads)
     dummy_target = recipe.target.load_format == "dummy"
     target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
                          dummy=dummy_target)
@@ -179,16 +220,18 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int):
     tokenizer = load_tokenizer(r.target_folder, target.vocab_size)
     draft = None
     if recipe.draft.enabled:
-        loader, dummy_config, _ = draft_kind(recipe.draft.method)
+        builder = DRAFT_METHODS[recipe.draft.method].builder()
         dummy = recipe.draft.load_format == "dummy"
-        draft = loader(r.draft_config or dummy_config(target), r.draft_folder, target,
-                       num_speculative_tokens=recipe.draft.num_speculative_tokens, dtype=r.dtype,
-                       device=r.device, dummy=dummy)
+        draft = load_draft(recipe.draft.method, r.draft_config or builder.dummy_config(target.shape),
+                           r.draft_folder, target, num_speculative_tokens=recipe.draft.num_speculative_tokens,
+                           dtype=r.dtype, device=r.device, dummy=dummy)
         if dummy:
             notes.append(f"draft.load_format is dummy: a RANDOMLY INITIALISED {recipe.draft.method} "
                          "draft (deterministic, demo only); output equals the target's alone but "
                          "acceptance is near zero")
-    step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic)
+    use_kernel, num_sms = attention_kernel_for(r.device)
+    step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,
+                       num_sms=num_sms)
     s = recipe.sampling
     b = recipe.runtime.batch_size
     sampling = SamplingTensors.build([s.temperature] * b, [s.top_k] * b, [s.top_p] * b,
@@ -199,10 +242,32 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int):
     eos = eos_ids_from(tokenizer, generation_config, r.target_config)
     rules = StopRules(eos, tuple(s.stop), s.ignore_eos,
                       lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    compile, why_compile = decide_compile(recipe, r.device, expected_steps)
+    if compile:
+        use_compile_cache(cache_root() / "compiled")
     runner = Runner(step, batch_size=b, max_seq_len=recipe.runtime.max_seq_len, rules=rules,
-                    sampling=sampling, seed=seed, device=r.device, dtype=r.dtype,
-                    compile=recipe.runtime.compile)
+                    sampling=sampling, seed=seed, device=r.device, dtype=r.dtype, compile=compile)
+    draft_part = (f"draft {recipe.draft.method} K={step.k}" if draft is not None else "no draft")
+    device = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu"
+    runner.header = (f"{device}, {str(r.dtype).removeprefix('torch.')}, "
+                     f"{threads} thread{'s' * (threads != 1)} ({why_threads}), "
+                     f"compile {'on' if compile else 'off'} ({why_compile}), batch {b}, {draft_part}")
     return runner, tokenizer, notes
+
+
+def attention_kernel_for(device: torch.device) -> tuple[bool, int]:
+    """The Triton attention kernel on CUDA (per-row lengths, GQA packed), the reference elsewhere."""
+    from specgen.kernels.keyed_noise import triton_available
+
+    if device.type != "cuda" or not triton_available():
+        return False, 1
+    return True, torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def expected_steps(records: list[PromptRecord], recipe: Recipe) -> int:
+    """Decode steps a job takes at most (every prompt to its max_tokens, one token per step)."""
+    tokens = sum(r.max_tokens or recipe.sampling.max_tokens for r in records if not r.error)
+    return -(-tokens // recipe.runtime.batch_size)
 
 
 def _requests(records: list[PromptRecord], tokenizer, recipe: Recipe) -> Iterator[Request]:
@@ -229,9 +294,11 @@ def result_record(c: Completion) -> dict:
 
 def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = None,
             limit: int | None = None, resume: bool = True,
-            on_start: Callable[[int, list[str]], None] | None = None,
-            on_progress: Callable[[Progress], None] | None = None) -> JobSummary:
-    """Run a recipe end to end. `on_start(total, notes)` fires once the models are loaded."""
+            on_start: Callable[[int, str, list[str]], None] | None = None,
+            on_progress: Callable[[Progress], None] | None = None,
+            on_status: Callable[[str], None] | None = None) -> JobSummary:
+    """Run a recipe end to end. `on_start(total, header, notes)` fires once the models are loaded;
+    `on_status(line)` reports the one-time warm-up."""
     started = time.perf_counter()
     out_path = Path(output or recipe.output)
     try:
@@ -244,40 +311,48 @@ def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = 
     with ResultWriter(out_path, resume=resume) as writer:
         todo = [rec for rec in records if rec.id not in writer.done_ids]
         skipped = len(records) - len(todo)
-        runner, tokenizer, notes = build_runner(recipe, r, seed)
+        runner, tokenizer, notes = build_runner(recipe, r, seed, expected_steps=expected_steps(todo, recipe))
         if recipe.chat_template and tokenizer.chat_template is None:
             notes.append("the tokenizer has no chat template: prompts are used as plain text")
         if on_start is not None:
-            on_start(len(todo), notes)
+            on_start(len(todo), runner.header, notes)
 
         def on_finish(c: Completion) -> None:
             writer.write(result_record(c))
 
         complete = False
         try:
-            runner.run(_requests(todo, tokenizer, recipe), on_finish, on_progress)
+            runner.run(_requests(todo, tokenizer, recipe), on_finish, on_progress, on_status)
             complete = True
         finally:
             # Written after Ctrl-C too: the figures then cover the requests that finished.
-            stats = _stats(recipe, r, seed, runner.totals, complete, memory, notes,
-                           time.perf_counter() - started)
+            stats = _stats(recipe, r, seed, runner, complete, memory, notes, time.perf_counter() - started)
             write_json_atomic(stats_path(out_path), stats)
+            runner.close()
     return JobSummary(out_path, stats_path(out_path), stats, skipped, notes)
 
 
-def _stats(recipe: Recipe, r: Resolved, seed: int, totals: RunTotals, complete: bool,
+def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: bool,
            memory: dict[str, int], notes: list[str], wall: float) -> dict:
     import transformers
 
+    totals: RunTotals = runner.totals
     return {
         "complete": complete,
         "requests": totals.requests,
         "errors": totals.errors,
         "output_tokens": totals.output_tokens,
+        "prompt_tokens": totals.prompt_tokens,
         "steps": totals.steps,
+        "prefill_calls": totals.prefill_calls,
         "generation_seconds": totals.wall_seconds,
+        "compile_seconds": totals.compile_seconds,
         "wall_seconds": wall,
         "output_tokens_per_second": totals.tokens_per_second,
+        "steady_output_tokens_per_second": totals.steady_tokens_per_second,
+        "compiled": runner.compiled,
+        "threads": torch.get_num_threads(),
+        "header": runner.header,
         "spec": totals.spec.to_dict(),
         "seed": seed,
         "recipe": recipe.to_dict(),

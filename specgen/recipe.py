@@ -27,12 +27,14 @@ from typing import Any
 
 import yaml
 
-# The one list of draft methods; later drafts (dflash, mtp) are added here and nowhere else.
-DRAFT_METHODS: tuple[str, ...] = ("none", "eagle3", "dflash", "mtp")
+from specgen.registry import DRAFT_METHODS as _REGISTERED, METHOD_NAMES
+
+# Draft methods come from the one registry (specgen/registry.py).
+DRAFT_METHODS: tuple[str, ...] = METHOD_NAMES
 # Methods whose checkpoint can live inside the target's (DeepSeek-style MTP layers): no draft.model needed.
-DRAFT_IN_TARGET = ("mtp",)
+DRAFT_IN_TARGET = tuple(m.name for m in _REGISTERED.values() if m.lives_in_target)
 # Methods whose draft decides the default K itself (DFlash: block_size - 1).
-K_FROM_DRAFT = ("dflash",)
+K_FROM_DRAFT = tuple(m.name for m in _REGISTERED.values() if m.k_from_draft)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
@@ -94,7 +96,8 @@ class RuntimeSpec:
     device: str = "auto"
     batch_size: int = 8
     max_seq_len: int = 2048
-    compile: bool = False
+    compile: bool | None = None  # None = auto: on CUDA; on CPU when the job is long enough to pay back
+    threads: int | None = None  # None = auto: the CPUs not busy with other work
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +228,17 @@ def _choice(options: Sequence[str]) -> Callable[[object], str]:
     return parse
 
 
+def _auto_or(parse: Callable[[object], Any]) -> Callable[[object], Any]:
+    """`auto` (or null) -> None, anything else through `parse`."""
+    return lambda value: None if value is None or value == "auto" else parse(value)
+
+
+def _switch(value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad(f"expected true, false or auto, got {_show(value)}")
+    return value
+
+
 def _optional(parse: Callable[[object], Any]) -> Callable[[object], Any]:
     return lambda value: None if value is None else parse(value)
 
@@ -309,7 +323,7 @@ _TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_tem
 _TARGET = ("model", "dtype", "load_format")
 _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos")
-_RUNTIME = ("device", "batch_size", "max_seq_len", "compile")
+_RUNTIME = ("device", "batch_size", "max_seq_len", "compile", "threads")
 
 
 def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Recipe:
@@ -376,7 +390,8 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         device=check.get(r, "runtime.device", _choice(DEVICES), "auto"),
         batch_size=check.get(r, "runtime.batch_size", _integer(1), 8),
         max_seq_len=check.get(r, "runtime.max_seq_len", _integer(16), 2048),
-        compile=check.get(r, "runtime.compile", _boolean, False),
+        compile=check.get(r, "runtime.compile", _auto_or(_switch), None),
+        threads=check.get(r, "runtime.threads", _auto_or(_integer(1)), None),
     )
 
     prompts = check.get(data, "prompts", _string, "default")

@@ -43,6 +43,9 @@ class SamplingTensors:
     use_top_k: bool
     use_top_p: bool
     use_min_p: bool
+    # The largest top_k of any sampled row, or 0 when some sampled row has no top-k: then top-k and
+    # top-p fit in a window of that many candidates (`torch.topk`), else top-p sorts the vocabulary.
+    top_k_window: int = 0
 
     @classmethod
     def build(
@@ -70,13 +73,14 @@ class SamplingTensors:
             use_top_k=any(k > 0 and not g for k, g in zip(top_k, greedy)),
             use_top_p=any(p < 1 and not g for p, g in zip(top_p, greedy)),
             use_min_p=any(m > 0 and not g for m, g in zip(min_p, greedy)),
+            top_k_window=_window(top_k, greedy),
         )
 
     def select(self, rows: torch.Tensor) -> SamplingTensors:
         """The parameters of some slots (a slot's prefill), with the same static flags."""
         return SamplingTensors(self.temperature[rows], self.top_k[rows], self.top_p[rows],
                                self.min_p[rows], self.greedy[rows], self.all_greedy, self.use_top_k,
-                               self.use_top_p, self.use_min_p)
+                               self.use_top_p, self.use_min_p, self.top_k_window)
 
     def update_row(self, b: int, temperature: float, top_k: int, top_p: float, min_p: float) -> None:
         """Refill slot b in place (host-to-device copies; call it outside the compiled step)."""
@@ -92,6 +96,12 @@ class SamplingTensors:
         self.use_top_k = self.use_top_k or (top_k > 0 and not greedy)
         self.use_top_p = self.use_top_p or (top_p < 1 and not greedy)
         self.use_min_p = self.use_min_p or (min_p > 0 and not greedy)
+        self.top_k_window = _window(self.top_k.tolist(), self.greedy.tolist())
+
+
+def _window(top_k: list[int], greedy: list[bool]) -> int:
+    sampled = [k for k, g in zip(top_k, greedy) if not g]
+    return max(sampled) if sampled and all(k > 0 for k in sampled) else 0
 
 
 def _check_row(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
@@ -133,23 +143,49 @@ def process_logits(logits: torch.Tensor, params: SamplingTensors) -> torch.Tenso
 
 
 def _top_k_top_p(x: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    # x: [B, T, V] temperature-scaled logits. One sort serves both filters; skipped by the caller
-    # when no row uses either, since it is the most expensive step here.
-    B, T, V = x.shape
-    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    # x: [B, T, V] temperature-scaled logits. Skipped by the caller when no row uses either filter.
+    V = x.shape[-1]
+    window = min(params.top_k_window, V)
+    if window:
+        # Every sampled row keeps at most its top_k: the `window` largest logits hold all survivors.
+        ranked, _ = torch.topk(x, window, dim=-1)                       # [B, T, W], descending
+    else:
+        ranked, _ = torch.sort(x, dim=-1, descending=True)             # [B, T, V]
     if params.use_top_k:
-        k = torch.where(params.top_k > 0, params.top_k.clamp(max=V), V)  # [B], 0 = off
-        kth = sorted_x.gather(-1, (k - 1)[:, None, None].expand(B, T, 1))
-        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+        k = torch.where(params.top_k > 0, params.top_k.clamp(max=V), V).clamp(max=ranked.shape[-1])
+        kth = ranked.gather(-1, (k - 1)[:, None, None].expand(*ranked.shape[:2], 1))
+        ranked = ranked.masked_fill(ranked < kth, float("-inf"))
+        x = x.masked_fill(x < kth, float("-inf"))                       # ties with the k-th stay
     if params.use_top_p:
-        probs = sorted_x.softmax(dim=-1)
-        mass_above = probs.cumsum(dim=-1) - probs  # exclusive prefix sum; exactly 0 at rank 0
-        top_p = params.top_p[:, None, None]
-        # rounding can push the float32 prefix sum to 1 before the tail: top_p == 1 must mean off
-        drop = (mass_above >= top_p) & (top_p < 1)
-        drop[..., 0] = False  # the top token always survives, whatever rounding does
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-    return torch.empty_like(x).scatter_(-1, order, sorted_x)
+        x = _top_p(x, ranked, params.top_p)
+    return x
+
+
+def _top_p(x: torch.Tensor, ranked: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the most likely tokens until their mass reaches top_p (rank order: by value, then by id).
+
+    `ranked` holds the largest logits of each row in descending order (the whole row, or a window
+    that holds every survivor) and `x` the logits the filter applies to (-inf for tokens already
+    dropped). Token of rank r survives iff the mass ranked above it is < top_p; the top one always."""
+    # x: [B, T, V]; ranked: [B, T, W] with W <= V; top_p: [B]
+    p = top_p[:, None, None]
+    log_total = torch.logsumexp(x, dim=-1, keepdim=True)
+    probs = torch.exp(ranked - log_total)
+    mass_above = probs.cumsum(dim=-1) - probs  # exclusive prefix sum; exactly 0 at rank 0
+    keep = mass_above < p
+    keep[..., 0] = True  # the top token always survives, whatever rounding does
+    threshold = ranked.gather(-1, keep.sum(dim=-1, keepdim=True) - 1)  # the last survivor's value
+    # Tokens above the threshold survive. Of those equal to it (ids in increasing order, as a stable
+    # sort ranks them; they may run past a window), the r-th survives while mass(above) + r * p(it)
+    # < top_p; computed from the threshold's first rank, so ties past the window count too.
+    first = (ranked > threshold).sum(dim=-1, keepdim=True)
+    mass_over = mass_above.gather(-1, first)
+    p_tie = probs.gather(-1, first)
+    tied = x == threshold
+    allowed = torch.ceil((p - mass_over) / p_tie).clamp(min=1)
+    survive = (x > threshold) | (tied & (tied.cumsum(dim=-1) <= allowed))
+    # rounding can push the float32 prefix sum to 1 before the tail: top_p == 1 must mean off
+    return torch.where((p >= 1) | survive, x, float("-inf"))
 
 
 def sample_draft(

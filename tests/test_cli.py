@@ -57,6 +57,10 @@ def test_run_writes_results_and_stats_then_resumes(setup):
     out = root / "out.jsonl"
     result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(out))
     assert result.exit_code == 0, result.output
+    # the header says what runs where; this short job chose eager by itself and says why
+    header = next(line for line in result.output.splitlines() if line.startswith("specgen: "))
+    assert "cpu" in header and "thread" in header and "batch 2" in header and "eagle3 K=2" in header
+    assert "compile off (auto: about" in header and "too few to pay back" in header
     records = {r["id"]: r for r in read_lines(out)}
     assert set(records) == {"a", "b", "c", "81", "line-2", "long"}
     assert records["line-2"]["finish_reason"] == "error"
@@ -72,6 +76,8 @@ def test_run_writes_results_and_stats_then_resumes(setup):
     assert stats["requests"] == 6 and stats["errors"] == 2 and stats["complete"]
     assert stats["output_tokens"] == sum(r["num_output_tokens"] for r in records.values())
     assert stats["recipe"]["draft"]["method"] == "eagle3" and "torch" in stats["versions"]
+    assert stats["compiled"] is False and stats["compile_seconds"] == 0 and stats["threads"] >= 1
+    assert stats["prompt_tokens"] > 0 and stats["prefill_calls"] >= 1
 
     again = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(out))
     assert again.exit_code == 0, again.output

@@ -15,6 +15,7 @@ import pytest
 import torch
 from checkpoints import tiny_llama_config, write_llama_checkpoint
 from checkpoints_dflash import tiny_dflash_config, write_dflash_checkpoint
+from model_calls import propose
 from safetensors.torch import load_file, save_file
 from test_speculative import (  # noqa: F401  (small_vocab_models is a fixture)
     chi_square_p,
@@ -26,9 +27,10 @@ from test_speculative import (  # noqa: F401  (small_vocab_models is a fixture)
 )
 
 from specgen.checkpoints import CheckpointError, read_config
-from specgen.drafts.dflash import DFlashConfig, default_target_layer_ids, dummy_dflash_config, load_dflash_draft
+from specgen.drafts.dflash import DFlashConfig, default_target_layer_ids, dummy_dflash_config
 from specgen.job import build_runner, resolve
-from specgen.models.loading import load_target
+from specgen.checkpoints.loading import load_draft as load_method_draft
+from specgen.checkpoints.loading import load_target
 from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
 
@@ -47,7 +49,7 @@ def target(target_dir):
 
 
 def load_draft(folder: Path, target, k: int | None = 4):
-    return load_dflash_draft(read_config(folder), folder, target, num_speculative_tokens=k,
+    return load_method_draft("dflash", read_config(folder), folder, target, num_speculative_tokens=k,
                              dtype=torch.float32, device="cpu", dummy=False)
 
 
@@ -133,8 +135,8 @@ def test_bad_weights_raise_checkpoint_errors_naming_the_folder(tmp_path, target,
 
 
 def test_dummy_config_builds_a_random_draft(target):
-    config = dummy_dflash_config(target)
-    draft = load_dflash_draft(config, None, target, num_speculative_tokens=None, dtype=torch.float32,
+    config = dummy_dflash_config(target.shape)
+    draft = load_method_draft("dflash", config, None, target, num_speculative_tokens=None, dtype=torch.float32,
                               device="cpu", dummy=True)
     assert draft.num_speculative_tokens == 7 and draft.aux_layer_ids == (1, 3)
     assert draft.config.mask_token_id == V - 1
@@ -260,8 +262,8 @@ def test_reference_matches_prefill_into_one_slot(reference_pair):
     aux = torch.randn(1, length, WIDTH, generator=g)
     next_tokens = torch.randint(0, V, (1, length), generator=g)
     rec = Recorder()
-    tokens, probs = draft.propose(aux, next_tokens, torch.arange(length).unsqueeze(0),
-                                  torch.tensor([length - 1]), cache, 32, rec, slots=torch.tensor([1]))
+    tokens, probs = propose(draft, aux, next_tokens, torch.arange(length).unsqueeze(0),
+                                  torch.tensor([length - 1]), cache, 32, rec, rows=torch.tensor([1]))
     assert probs is None and tokens.shape == (1, K)
     expected = ref.logits(aux[0], int(next_tokens[0, -1]), K).unsqueeze(0)
     check(rec, tokens, expected, (length + 1 + torch.arange(K)).unsqueeze(0))
@@ -281,8 +283,8 @@ def test_reference_matches_batched_steps_with_junk_past_last_index(reference_pai
     for b, n in enumerate(lengths):                             # prefill every slot
         aux = torch.randn(1, n, WIDTH, generator=g)
         tokens = torch.randint(0, V, (1, n), generator=g)
-        draft.propose(aux, tokens, torch.arange(n).unsqueeze(0), torch.tensor([n - 1]), cache, 32,
-                      Recorder(), slots=torch.tensor([b]))
+        propose(draft, aux, tokens, torch.arange(n).unsqueeze(0), torch.tensor([n - 1]), cache, 32,
+                      Recorder(), rows=torch.tensor([b]))
         history.append(aux[0])
     committed = torch.tensor(lengths)
     for last in ([0, 2, K], [K, 0, 1]):
@@ -291,7 +293,7 @@ def test_reference_matches_batched_steps_with_junk_past_last_index(reference_pai
         aux = torch.randn(SLOTS, K + 1, WIDTH, generator=g)
         next_tokens = torch.randint(0, V, (SLOTS, K + 1), generator=g)
         rec = Recorder()
-        tokens, _ = draft.propose(aux, next_tokens, positions, last_index, cache, 32, rec)
+        tokens, _ = propose(draft, aux, next_tokens, positions, last_index, cache, 32, rec)
         expected = []
         for b in range(SLOTS):
             history[b] = torch.cat((history[b], aux[b, : last[b] + 1]))
@@ -316,7 +318,7 @@ def dflash_runner(recipe, folder: Path, k: int, stochastic: bool = False) -> Run
     r = resolve(recipe)
     plain, _, _ = build_runner(recipe, r, recipe.sampling.seed)
     target = plain.unified.target
-    draft = load_dflash_draft(read_config(folder), folder, target, num_speculative_tokens=k,
+    draft = load_method_draft("dflash", read_config(folder), folder, target, num_speculative_tokens=k,
                               dtype=torch.float32, device="cpu", dummy=False)
     step = UnifiedStep(target, draft, stochastic_drafts=stochastic)
     return Runner(step, batch_size=plain.batch_size, max_seq_len=plain.max_seq_len, rules=plain.rules,
@@ -371,7 +373,7 @@ def test_compiled_dflash_step_equals_eager(models):
     ids = prompts(lengths=(3, 6))   # one kv bucket (16): a single compiled variant keeps this quick
     eager, eager_totals = run(dflash_runner(make_recipe(target, batch=2), draft, 3), ids, max_tokens=4)
     runner = dflash_runner(make_recipe(target, batch=2, compile=True), draft, 3)
-    assert runner.step_fn is not runner.unified.step
+    assert runner.compiled
     compiled, totals = run(runner, ids, max_tokens=4)
     assert compiled == eager
     assert totals.spec.acceptance_histogram == eager_totals.spec.acceptance_histogram

@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
+from model_calls import propose
 from safetensors.torch import load_file, save_file
 
 from specgen.checkpoints import CheckpointError, read_config
-from specgen.drafts.eagle3 import load_eagle3_draft
-from specgen.models.loading import load_target
+from specgen.checkpoints.loading import load_draft as load_method_draft
+from specgen.checkpoints.loading import load_target
 
 TARGET = tiny_llama_config()          # 6 layers, hidden 64, vocab 96, llama3 rope scaling
 V, H = TARGET["vocab_size"], TARGET["hidden_size"]
@@ -50,7 +51,7 @@ def dummy_target(layers: int):
 
 
 def load_draft(folder: Path, target, k: int = 3):
-    return load_eagle3_draft(read_config(folder), folder, target, num_speculative_tokens=k,
+    return load_method_draft("eagle3", read_config(folder), folder, target, num_speculative_tokens=k,
                              dtype=torch.float32, device="cpu", dummy=False)
 
 
@@ -105,8 +106,8 @@ def prefill_propose(draft, aux, tokens, pick=argmax_pick, slots=3, slot=1, max_l
     length = aux.shape[1]
     cache = draft.new_cache(slots, max_len, torch.float32, "cpu")
     positions = torch.arange(length).unsqueeze(0)
-    return draft.propose(aux, tokens, positions, torch.tensor([length - 1]), cache, max_len, pick,
-                         slots=torch.tensor([slot]))
+    return propose(draft, aux, tokens, positions, torch.tensor([length - 1]), cache, max_len, pick,
+                         rows=torch.tensor([slot]))
 
 
 # ------------------------------------------------------------------------------ the definition
@@ -416,8 +417,8 @@ def test_reference_matches_prefill_into_one_slot(reference_pair):
         t.normal_()                                            # stale scratch everywhere
     others = [t[[0, 2]].clone() for t in cache.k + cache.v]
     pick = Recorder()
-    drafted, probs = draft.propose(aux, tokens, torch.arange(length).unsqueeze(0),
-                                   torch.tensor([length - 1]), cache, 32, pick, slots=torch.tensor([1]))
+    drafted, probs = propose(draft, aux, tokens, torch.arange(length).unsqueeze(0),
+                                   torch.tensor([length - 1]), cache, 32, pick, rows=torch.tensor([1]))
     expected_tokens, expected_logits = ref.draft(aux[0], tokens[0], k)
     assert probs is None and drafted.shape == (1, k)
     assert torch.equal(drafted[0], expected_tokens)
@@ -443,8 +444,8 @@ def test_reference_matches_a_batched_step(reference_pair):
 
     cache = draft.new_cache(batch, max_len, torch.float32, "cpu")
     for b, n in enumerate(lens):  # earlier steps: entries 0..n-1 of slot b hold its committed history
-        draft.propose(feats[b][:n][None], toks[b][:n][None], torch.arange(n)[None], torch.tensor([n - 1]),
-                      cache, max_len, argmax_pick, slots=torch.tensor([b]))
+        propose(draft, feats[b][:n][None], toks[b][:n][None], torch.arange(n)[None], torch.tensor([n - 1]),
+                      cache, max_len, argmax_pick, rows=torch.tensor([b]))
         for t in cache.k + cache.v:
             t[b, :, n:].normal_(generator=g)                    # stale scratch past the committed length
     saved = [t.clone() for t in cache.k + cache.v]
@@ -466,7 +467,7 @@ def test_reference_matches_a_batched_step(reference_pair):
             t.copy_(s)
         aux, tokens = step_inputs(junk_seed)
         pick = Recorder(with_probs=True)
-        drafted, probs = draft.propose(aux, tokens, positions, last_index, cache, max_len, pick)
+        drafted, probs = propose(draft, aux, tokens, positions, last_index, cache, max_len, pick)
         assert drafted.shape == (batch, k) and probs.shape == (batch, k, V)
         results.append((drafted, pick.stacked(), probs))
         for b, (n, a) in enumerate(zip(lens, accepted)):
@@ -490,9 +491,9 @@ def test_consecutive_steps_match_the_definition(reference_pair):
     toks = torch.randint(0, V, (total,), generator=g)
     cache = draft.new_cache(2, max_len, torch.float32, "cpu")
     pick = Recorder()
-    drafted, _ = draft.propose(feats[None, :prompt_len], toks[None, :prompt_len],
+    drafted, _ = propose(draft, feats[None, :prompt_len], toks[None, :prompt_len],
                                torch.arange(prompt_len)[None], torch.tensor([prompt_len - 1]),
-                               cache, max_len, pick, slots=torch.tensor([0]))
+                               cache, max_len, pick, rows=torch.tensor([0]))
     assert torch.equal(drafted[0], ref.draft(feats[:prompt_len], toks[:prompt_len], k)[0])
     length = prompt_len
     for accepted in (1, 3):
@@ -500,7 +501,7 @@ def test_consecutive_steps_match_the_definition(reference_pair):
         aux = feats[length : length + k + 1][None].expand(2, -1, -1).clone()
         tokens = toks[length : length + k + 1][None].expand(2, -1).clone()
         pick = Recorder()
-        drafted, _ = draft.propose(aux, tokens, positions, torch.tensor([accepted, accepted]),
+        drafted, _ = propose(draft, aux, tokens, positions, torch.tensor([accepted, accepted]),
                                    cache, max_len, pick)
         length += accepted + 1
         expected_tokens, expected_logits = ref.draft(feats[:length], toks[:length], k)

@@ -1,47 +1,101 @@
-"""GPU checks (skipped without CUDA): bf16 on cuda, the step captured as a CUDA graph, Triton verify."""
+"""GPU checks (skipped without CUDA): bf16, every draft type, the step compiled and captured as a CUDA
+graph with the Triton kernels (verify, attention) inside it, and a large ragged batch with refills.
+
+Run on a GPU machine with `python -m pytest -m gpu -q` (conftest.py leaves TRITON_INTERPRET unset
+there, so the kernels compile for real)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_speculative import models, prompts, run, runner_for  # noqa: F401  (fixture)
+from checkpoints import write_eagle3_checkpoint, tiny_eagle3_config, tiny_llama_config, write_llama_checkpoint
+from checkpoints_dflash import tiny_dflash_config, write_dflash_checkpoint
+from test_speculative import prompts, run
 
+from specgen.job import build_runner, resolve
 from specgen.recipe import recipe_from_dict
 
 pytestmark = pytest.mark.gpu
 
 
-def cuda_recipe(target, draft=None, compile=False, **sampling):
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu")
+    config = tiny_llama_config(vocab_size=512, hidden_size=128, num_attention_heads=8,
+                               num_key_value_heads=2, intermediate_size=256)
+    return {
+        "target": write_llama_checkpoint(root / "target", config),
+        "eagle3": write_eagle3_checkpoint(root / "eagle3", tiny_eagle3_config(config), config),
+        "dflash": write_dflash_checkpoint(root / "dflash", tiny_dflash_config(config, block_size=5)),
+    }
+
+
+def cuda_recipe(ckpt, method="none", dtype="bfloat16", compile=True, batch=4, k=3, stochastic=False,
+                **sampling):
+    draft = {"method": method}
+    if method == "mtp":
+        draft.update(load_format="dummy")
+    elif method != "none":
+        draft.update(model=str(ckpt[method]))
+    if method != "none":
+        draft.update(num_speculative_tokens=k, stochastic=stochastic)
     return recipe_from_dict({
-        "target": {"model": str(target), "dtype": "float32"},
-        "draft": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 3} if draft
-        else {"method": "none"},
+        "target": {"model": str(ckpt["target"]), "dtype": dtype},
+        "draft": draft,
         "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
-        "runtime": {"device": "cuda", "batch_size": 4, "max_seq_len": 96, "compile": compile},
+        "runtime": {"device": "cuda", "batch_size": batch, "max_seq_len": 512, "compile": compile},
         "chat_template": False,
     })
 
 
-def test_greedy_speculative_equals_plain_on_cuda(models):  # noqa: F811
-    target, draft = models
-    ids = prompts()
-    plain, _ = run(runner_for(cuda_recipe(target)), ids)
-    spec, _ = run(runner_for(cuda_recipe(target, draft)), ids)
+def tokens_of(recipe, ids, max_tokens=24):
+    runner, _, _ = build_runner(recipe, resolve(recipe), recipe.sampling.seed)
+    try:
+        assert runner.unified.use_kernel, "the Triton attention kernel must run on CUDA"
+        return run(runner, ids, max_tokens)
+    finally:
+        runner.close()
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
+def test_bf16_greedy_speculative_equals_plain_in_cuda_graphs(checkpoints, method):
+    ids = prompts(vocab=512)
+    plain, _ = tokens_of(cuda_recipe(checkpoints), ids)
+    spec, totals = tokens_of(cuda_recipe(checkpoints, method), ids)
+    assert spec == plain and totals.spec.num_drafts > 0
+
+
+def test_bf16_seeded_sampled_speculative_equals_plain_with_the_kernels(checkpoints):
+    ids = prompts(vocab=512)
+    sampling = {"temperature": 0.8, "top_p": 0.9}
+    plain, _ = tokens_of(cuda_recipe(checkpoints, **sampling), ids)
+    greedy, _ = tokens_of(cuda_recipe(checkpoints), ids)
+    assert plain != greedy
+    spec, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", **sampling), ids)
     assert spec == plain
+    # stochastic drafts: full rejection sampling (the Triton verify kernel's residual path) runs
+    _, totals = tokens_of(cuda_recipe(checkpoints, "eagle3", stochastic=True, temperature=1.0), ids)
+    assert totals.spec.num_accepted_tokens > 0
 
 
-def test_seeded_sampled_speculative_equals_plain_on_cuda_with_the_kernel(models):  # noqa: F811
-    target, draft = models
-    ids = prompts()
-    plain, _ = run(runner_for(cuda_recipe(target, temperature=0.8, top_p=0.9)), ids)
-    spec, _ = run(runner_for(cuda_recipe(target, draft, temperature=0.8, top_p=0.9)), ids)
-    assert spec == plain
-
-
-def test_cuda_graph_step_equals_eager(models):  # noqa: F811
-    target, draft = models
-    ids = prompts()
-    eager, _ = run(runner_for(cuda_recipe(target, draft)), ids)
-    graphed, _ = run(runner_for(cuda_recipe(target, draft, compile=True)), ids)
+def test_cuda_graph_step_equals_eager_and_the_cpu_reference(checkpoints):
+    ids = prompts(vocab=512)
+    graphed, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32"), ids)
+    eager, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32", compile=False), ids)
     assert graphed == eager
+    cpu = recipe_from_dict({**cuda_recipe(checkpoints, "eagle3", dtype="float32").to_dict(),
+                            "runtime": {"device": "cpu", "batch_size": 4, "max_seq_len": 512,
+                                        "compile": False}})
+    runner, _, _ = build_runner(cpu, resolve(cpu), 7)
+    reference, _ = run(runner, ids, 24)
+    assert graphed == reference
+
+
+def test_batch_64_with_ragged_prompts_and_refills(checkpoints):
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.randint(1, 300, (150,), generator=gen).tolist()
+    ids = prompts(vocab=512, lengths=lengths)
+    big, totals = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32", batch=64), ids)
+    small, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32", batch=3, compile=False), ids)
+    assert big == small and totals.requests == 150
     assert torch.cuda.is_available()

@@ -7,7 +7,9 @@ import torch
 from checkpoints import tiny_llama_config, write_llama_checkpoint
 
 from specgen.checkpoints import CheckpointError, read_config, resolve_checkpoint
-from specgen.models.loading import load_target
+from model_calls import logits
+
+from specgen.checkpoints.loading import load_target
 
 CONFIGS = {
     # Llama-3.1 layout: llama3 rope scaling, GQA, untied head, hub spelling of the config
@@ -45,8 +47,8 @@ def test_logits_match_transformers(tmp_path, name):
         cache = ours.new_cache(3, 64, torch.float32, "cpu")
         slots = torch.tensor([1, 0])
         pos = torch.arange(40).expand(2, 40)
-        first, _ = ours(tokens[:, :30], pos[:, :30], cache, 64, slots=slots)
-        second, _ = ours(tokens[:, 30:], pos[:, 30:], cache, 64, slots=slots)
+        first, _ = logits(ours, tokens[:, :30], pos[:, :30], cache, 64, rows=slots)
+        second, _ = logits(ours, tokens[:, 30:], pos[:, 30:], cache, 64, rows=slots)
     got = torch.cat((first, second), 1)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
 
@@ -59,13 +61,13 @@ def test_rows_of_different_lengths_decode_independently(tmp_path):
     a, b = torch.randint(0, 96, (1, 17), generator=gen), torch.randint(0, 96, (1, 9), generator=gen)
     with torch.no_grad():
         cache = ours.new_cache(2, 64, torch.float32, "cpu")
-        ours(a[:, :-3], torch.arange(14)[None], cache, 64, slots=torch.tensor([0]))
-        ours(b[:, :-3], torch.arange(6)[None], cache, 64, slots=torch.tensor([1]))
+        logits(ours, a[:, :-3], torch.arange(14)[None], cache, 64, rows=torch.tensor([0]))
+        logits(ours, b[:, :-3], torch.arange(6)[None], cache, 64, rows=torch.tensor([1]))
         step = torch.cat((a[:, -3:], b[:, -3:]))
         positions = torch.stack((torch.arange(14, 17), torch.arange(6, 9)))
-        logits, _ = ours(step, positions, cache, 64)
-        torch.testing.assert_close(logits[0], theirs(a).logits[0, -3:], atol=2e-5, rtol=1e-4)
-        torch.testing.assert_close(logits[1], theirs(b).logits[0, -3:], atol=2e-5, rtol=1e-4)
+        got, _ = logits(ours, step, positions, cache, 64)
+        torch.testing.assert_close(got[0], theirs(a).logits[0, -3:], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(got[1], theirs(b).logits[0, -3:], atol=2e-5, rtol=1e-4)
 
 
 def test_captured_layer_ids_name_layer_outputs(tmp_path):
@@ -75,7 +77,7 @@ def test_captured_layer_ids_name_layer_outputs(tmp_path):
     with torch.no_grad():
         hidden = theirs(tokens, output_hidden_states=True).hidden_states
         cache = ours.new_cache(1, 32, torch.float32, "cpu")
-        _, aux = ours(tokens, torch.arange(12)[None], cache, 32, capture=(4, 0, 2))
+        _, aux = logits(ours, tokens, torch.arange(12)[None], cache, 32, capture=(4, 0, 2))
     expected = torch.cat((hidden[5], hidden[1], hidden[3]), -1)
     torch.testing.assert_close(aux, expected, atol=2e-5, rtol=1e-4)
 

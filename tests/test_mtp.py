@@ -15,13 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoints import tiny_llama_config, write_llama_checkpoint
+from model_calls import logits as forward_logits
+from model_calls import propose
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_speculative import chi_square_p, exact_marginals, make_recipe, prompts, run, runner_for
 
 from specgen.checkpoints import CheckpointError, read_config
-from specgen.drafts.mtp import MtpConfig, dummy_mtp_config, has_mtp_layer, load_mtp_draft
-from specgen.models.loading import load_target
+from specgen.checkpoints.loading import has_draft_layers
+from specgen.drafts.mtp import MtpConfig, dummy_mtp_config
+from specgen.checkpoints.loading import load_draft as load_method_draft
+from specgen.checkpoints.loading import load_target
 from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
 
@@ -110,7 +114,7 @@ def target(target_dir):
 
 
 def load_draft(folder: Path, target, k: int = 3, config: dict | None = None):
-    return load_mtp_draft(config or read_config(folder), folder, target, num_speculative_tokens=k,
+    return load_method_draft("mtp", config or read_config(folder), folder, target, num_speculative_tokens=k,
                           dtype=torch.float32, device="cpu", dummy=False)
 
 
@@ -206,15 +210,15 @@ def test_target_with_mtp_layer_loads_and_matches_transformers(tmp_path, sharded)
 
     folder = write_mtp_target(tmp_path / "t", shard_bytes=40_000 if sharded else None)
     assert (folder / "model.safetensors.index.json").is_file() == sharded
-    assert has_mtp_layer(folder, read_config(folder))
+    assert has_draft_layers("mtp", folder, read_config(folder))
     plain = write_llama_checkpoint(tmp_path / "plain", TARGET)
-    assert not has_mtp_layer(plain, read_config(plain))
+    assert not has_draft_layers("mtp", plain, read_config(plain))
     ours = load_tgt(folder)
     theirs = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokens = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         cache = ours.new_cache(2, 32, torch.float32, "cpu")
-        got, _ = ours(tokens, torch.arange(20).expand(2, 20), cache, 32)
+        got, _ = forward_logits(ours, tokens, torch.arange(20).expand(2, 20), cache, 32)
         torch.testing.assert_close(got, theirs(tokens).logits, atol=2e-5, rtol=1e-4)
 
 
@@ -228,7 +232,7 @@ def test_inside_target_and_separate_folder_give_the_same_draft(tmp_path, target_
     assert inside.aux_layer_ids == (N - 1,)
     aux = torch.randn(1, 7, H, generator=torch.Generator().manual_seed(1))
     tokens = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(2))
-    outs = [d.propose(aux, tokens, torch.arange(7)[None], torch.tensor([6]),
+    outs = [propose(d, aux, tokens, torch.arange(7)[None], torch.tensor([6]),
                       d.new_cache(1, 16, torch.float32, "cpu"), 16, argmax_pick)[0] for d in (inside, separate)]
     assert torch.equal(*outs)
 
@@ -239,7 +243,7 @@ def test_missing_and_unusable_checkpoints_are_named(tmp_path, target):
     with pytest.raises(CheckpointError, match=rf"{folder}.*missing eh_proj.weight"):
         load_draft(folder, target)
     plain = write_llama_checkpoint(tmp_path / "plain", TARGET)
-    with pytest.raises(CheckpointError, match=rf"{plain}: no MTP layer"):
+    with pytest.raises(CheckpointError, match=rf"{plain}: no MTP weights"):
         load_draft(plain, target)
     with pytest.raises(CheckpointError, match="num_nextn_predict_layers is 2"):
         load_draft(folder, target, config={**TARGET, "num_nextn_predict_layers": 2})
@@ -268,17 +272,17 @@ def test_embedding_and_head_are_shared_when_absent_or_duplicated(tmp_path, targe
     assert a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
     aux = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(3))
     tokens = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(4))
-    drafted = [d.propose(aux, tokens, torch.arange(5).expand(2, 5), torch.tensor([4, 2]),
+    drafted = [propose(d, aux, tokens, torch.arange(5).expand(2, 5), torch.tensor([4, 2]),
                          d.new_cache(2, 16, torch.float32, "cpu"), 16, argmax_pick)[0] for d in (shared, deduped)]
     assert torch.equal(*drafted)
 
 
 def test_dummy_draft_and_parameter_count(target):
-    draft = load_mtp_draft(dummy_mtp_config(target), None, target, num_speculative_tokens=2,
+    draft = load_method_draft("mtp", dummy_mtp_config(target.shape), None, target, num_speculative_tokens=2,
                            dtype=torch.float32, device="cpu", dummy=True)
-    cfg = MtpConfig.from_hf(dummy_mtp_config(target), target_layers=N, target_hidden=H, target_vocab=V)
+    cfg = MtpConfig.from_hf(dummy_mtp_config(target.shape), target_layers=N, target_hidden=H, target_vocab=V)
     assert cfg.num_parameters(own_embedding=False) == sum(p.numel() for p in draft.parameters())
-    drafted, _ = draft.propose(torch.randn(1, 4, H), torch.zeros(1, 4, dtype=torch.long),
+    drafted, _ = propose(draft, torch.randn(1, 4, H), torch.zeros(1, 4, dtype=torch.long),
                                torch.arange(4)[None], torch.tensor([3]),
                                draft.new_cache(1, 8, torch.float32, "cpu"), 8, argmax_pick)
     assert drafted.shape == (1, 2)
@@ -305,8 +309,8 @@ def test_prefill_into_a_slot_matches_the_definition(reference_pair):
         t.normal_(generator=g)                                  # other slots' contents stay untouched
     before = [t[[0, 2]].clone() for t in cache.k + cache.v]
     pick = Recorder()
-    drafted, probs = draft.propose(aux, tokens, torch.arange(9)[None], torch.tensor([8]), cache, 32, pick,
-                                   slots=torch.tensor([1]))
+    drafted, probs = propose(draft, aux, tokens, torch.arange(9)[None], torch.tensor([8]), cache, 32, pick,
+                                   rows=torch.tensor([1]))
     expected_tokens, expected_logits = ref.draft(aux[0], tokens[0], 4)
     assert probs is None and torch.equal(drafted[0], expected_tokens)
     torch.testing.assert_close(pick.stacked()[0], expected_logits, atol=1e-4, rtol=1e-4)
@@ -327,8 +331,8 @@ def test_batched_step_matches_the_definition(reference_pair):
     toks = [torch.randint(0, V, (n + k + 1,), generator=g) for n in lens]
     cache = draft.new_cache(batch, max_len, torch.float32, "cpu")
     for b, n in enumerate(lens):
-        draft.propose(feats[b][:n][None], toks[b][:n][None], torch.arange(n)[None], torch.tensor([n - 1]),
-                      cache, max_len, argmax_pick, slots=torch.tensor([b]))
+        propose(draft, feats[b][:n][None], toks[b][:n][None], torch.arange(n)[None], torch.tensor([n - 1]),
+                      cache, max_len, argmax_pick, rows=torch.tensor([b]))
         for t in cache.k + cache.v:
             t[b, :, n:].normal_(generator=g)
     aux = torch.randn(batch, k + 1, H, generator=g) * 3
@@ -338,7 +342,7 @@ def test_batched_step_matches_the_definition(reference_pair):
         tokens[b, : a + 1] = toks[b][n : n + a + 1]
     positions = torch.tensor(lens).unsqueeze(1) + torch.arange(k + 1)
     pick = Recorder(with_probs=True)
-    drafted, probs = draft.propose(aux, tokens, positions, torch.tensor(accepted), cache, max_len, pick)
+    drafted, probs = propose(draft, aux, tokens, positions, torch.tensor(accepted), cache, max_len, pick)
     assert drafted.shape == (batch, k) and probs.shape == (batch, k, V)
     for b, (n, a) in enumerate(zip(lens, accepted)):
         expected_tokens, expected_logits = ref.draft(feats[b][: n + a + 1], toks[b][: n + a + 1], k)
@@ -352,7 +356,7 @@ def test_features_are_the_targets_normed_last_hidden_state(target_dir, target):
     draft = load_draft(target_dir, target, k=1)
     tokens = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(8))
     cache = target.new_cache(1, 16, torch.float32, "cpu")
-    _, aux = target(tokens, torch.arange(8)[None], cache, 16, capture=draft.aux_layer_ids)
+    _, aux = forward_logits(target, tokens, torch.arange(8)[None], cache, 16, capture=draft.aux_layer_ids)
     from transformers import LlamaForCausalLM
 
     theirs = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
@@ -421,7 +425,7 @@ def test_compiled_mtp_step_equals_eager(target_dir):
     ids = prompts(lengths=(3, 6))
     eager, eager_totals = run(mtp_runner(target_dir, 2, batch=2), ids, max_tokens=6)
     runner = mtp_runner(target_dir, 2, batch=2, compile=True)
-    assert runner.step_fn is not runner.unified.step
+    assert runner.compiled
     compiled, totals = run(runner, ids, max_tokens=6)
     assert compiled == eager
     assert totals.spec.acceptance_histogram == eager_totals.spec.acceptance_histogram

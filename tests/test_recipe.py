@@ -47,7 +47,8 @@ def test_defaults():
     assert recipe.sampling == SamplingSpec(
         temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, max_tokens=256, stop=[], ignore_eos=False
     )
-    assert recipe.runtime == RuntimeSpec(device="auto", batch_size=8, max_seq_len=2048, compile=False)
+    assert recipe.runtime == RuntimeSpec(device="auto", batch_size=8, max_seq_len=2048, compile=None,
+                                         threads=None)
     assert recipe.prompts == "default"
     assert recipe.output == "outputs/recipe.jsonl"
     assert recipe.chat_template is True
@@ -110,7 +111,9 @@ def test_int_accepted_as_float():
         (with_section("runtime", batch_size=0), "recipe.runtime.batch_size: must be >= 1"),
         (with_section("runtime", max_seq_len=8), "recipe.runtime.max_seq_len: must be >= 16"),
         (with_section("runtime", device="tpu"), "recipe.runtime.device: must be one of auto, cpu, cuda"),
-        (with_section("runtime", compile="yes"), "recipe.runtime.compile: expected true or false, got 'yes'"),
+        (with_section("runtime", compile="yes"), "recipe.runtime.compile: expected true, false or auto, got 'yes'"),
+        (with_section("runtime", threads=0), "recipe.runtime.threads: must be >= 1"),
+        (with_section("runtime", threads="many"), "recipe.runtime.threads: expected an integer, got 'many'"),
         (with_section("draft", method="medusa"), "recipe.draft.method: must be one of none, eagle3, dflash, mtp"),
         (
             with_section("draft", method="eagle3", model="d", num_speculative_tokens=0),
@@ -262,3 +265,12 @@ def test_no_torch_import():
     code = "import sys, specgen.recipe; sys.exit(1 if 'torch' in sys.modules else 0)"
     root = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
+
+
+def test_compile_and_threads_take_auto():
+    base = {"target": {"model": "m"}}
+    recipe = recipe_from_dict(apply_overrides(base, ["runtime.compile=auto", "runtime.threads=auto"]))
+    assert recipe.runtime.compile is None and recipe.runtime.threads is None
+    recipe = recipe_from_dict(apply_overrides(base, ["runtime.compile=false", "runtime.threads=3"]))
+    assert recipe.runtime.compile is False and recipe.runtime.threads == 3
+    assert recipe_from_dict(recipe.to_dict()) == recipe

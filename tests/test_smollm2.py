@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_calls import logits
 
 from specgen.checkpoints import read_config, resolve_checkpoint
 from specgen.job import build_runner, resolve
-from specgen.models.loading import load_target
+from specgen.checkpoints.loading import load_target
 from specgen.pipelines.runner import Request
 from specgen.recipe import recipe_from_dict
 
@@ -42,7 +43,7 @@ def test_logits_match_transformers(smollm2):
         with torch.no_grad():
             expected = reference(ids).logits
             cache = ours.new_cache(1, 64, torch.float32, "cpu")
-            got, _ = ours(ids, torch.arange(ids.shape[1])[None], cache, 64)
+            got, _ = logits(ours, ids, torch.arange(ids.shape[1])[None], cache, 64)
         torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
+from model_calls import logits as forward_logits
 from scipy.stats import chisquare
 
 from specgen.job import build_runner, resolve
@@ -88,13 +89,13 @@ class OracleDraft(torch.nn.Module):
     def new_cache(self, slots, max_len, dtype, device):
         return torch.zeros(slots, max_len + 64, dtype=torch.long)
 
-    def propose(self, aux, next_tokens, positions, last_index, cache, kv_len, pick, slots=None):
-        if slots is not None:  # prefill: next_tokens = prompt[1:] + first token; find its reference
-            key = tuple(next_tokens[0, :-1].tolist())
-            sequence = self.references[key]
-            cache[slots[0]].zero_()
-            cache[slots[0], : len(sequence)] = torch.tensor(sequence)
-        rows = slots if slots is not None else torch.arange(next_tokens.shape[0])
+    def propose(self, aux, next_tokens, positions, last_index, cache, attn, pick):
+        if attn.rows is not None:  # prefill: next_tokens = prompt[1:] + first token; find references
+            for r, slot in enumerate(attn.rows.tolist()):
+                sequence = self.references[tuple(next_tokens[r, : last_index[r]].tolist())]
+                cache[slot].zero_()
+                cache[slot, : len(sequence)] = torch.tensor(sequence)
+        rows = attn.cache_rows(next_tokens.shape[0], next_tokens.device)
         start = positions[torch.arange(len(rows)), last_index] + 2      # position of the first draft
         where = start.unsqueeze(1) + torch.arange(self.num_speculative_tokens)
         tokens = cache[rows.unsqueeze(1), where]
@@ -174,7 +175,8 @@ def exact_marginals(runner: Runner, prompt: list[int], steps: int) -> list[torch
         n, length = seqs.shape
         cache = model.new_cache(n, 64, torch.float32, "cpu")
         with torch.no_grad():
-            logits, _ = model(seqs, torch.arange(length).expand(n, length), cache, 64, logits_from=length - 1)
+            logits, _ = forward_logits(model, seqs, torch.arange(length).expand(n, length), cache, 64)
+            logits = logits[:, -1:]
         rows = SamplingTensors.build([float(sampling.temperature[0])] * n, [int(sampling.top_k[0])] * n,
                                      [float(sampling.top_p[0])] * n, [float(sampling.min_p[0])] * n, "cpu")
         cond = process_logits(logits, rows)[:, 0].exp()                   # [n, V]

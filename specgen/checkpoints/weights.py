@@ -1,64 +1,49 @@
-"""Reading tensors: safetensors (single file or sharded), cast to the runtime dtype, into a module.
+"""Reading tensors from safetensors files (single or sharded), straight to the run's device and dtype.
 
-Contract: `read_tensors(files)` returns every tensor of the files keyed by name; `load_into(module,
-state)` assigns them to a module built on the meta device, failing with the missing / unexpected
-names rather than leaving random weights behind.
+Contract: `read_tensors(files, device=..., dtype=...)` returns the tensors of the files keyed by
+name (optionally those under a prefix, optionally stripped of it). Each tensor is read onto `device`
+(`safe_open(device=...)`) and cast to `dtype` at once when floating, one tensor at a time, so the
+checkpoint never sits in memory twice. `tensor_names(folder)` reads headers only.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
-from specgen.checkpoints.store import CheckpointError
+from specgen.checkpoints.store import CheckpointError, weight_files
 
 
-def read_tensors(files: list[Path], *, prefix: str = "", strip_prefix: bool = False) -> dict[str, torch.Tensor]:
+def read_tensors(files: list[Path], *, prefix: str = "", strip_prefix: bool = False,
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for path in files:
         try:
-            with safe_open(str(path), framework="pt") as f:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for key in f.keys():
                     if key.startswith(prefix):
-                        state[key[len(prefix):] if strip_prefix else key] = f.get_tensor(key)
+                        tensor = f.get_tensor(key)
+                        if dtype is not None and tensor.is_floating_point():
+                            tensor = tensor.to(dtype)
+                        state[key[len(prefix):] if strip_prefix else key] = tensor
         except (OSError, RuntimeError, ValueError) as err:
             raise CheckpointError(f"{path}: cannot read safetensors: {err}") from err
     return state
 
 
-def load_into(module: nn.Module, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
-              device: torch.device | str, where: str) -> None:
-    """Assign `state` to `module` (floating tensors cast to `dtype`), all on `device`."""
-    expected = set(module.state_dict().keys())
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(state.keys() - expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected[:6])}{' ...' if len(unexpected) > 6 else ''}")
-        raise CheckpointError(f"{where}: weights do not match the model: {'; '.join(parts)}")
-    own = module.state_dict()
-    for key, tensor in state.items():
-        if tuple(tensor.shape) != tuple(own[key].shape):
-            raise CheckpointError(f"{where}: {key} has shape {list(tensor.shape)}, "
-                                  f"the config implies {list(own[key].shape)}")
-    cast = {k: (v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device))
-            for k, v in state.items()}
-    module.load_state_dict(cast, assign=True, strict=True)
-
-
-def random_init(module: nn.Module, *, seed: int, std: float = 0.02) -> None:
-    """Deterministic random weights (load_format: dummy): normal(0, std) matrices, unit norms."""
-    with torch.no_grad():
-        for index, (name, param) in enumerate(module.named_parameters()):
-            if param.ndim == 1:
-                param.fill_(1.0 if "norm" in name else 0.0)
-                continue
-            # One generator per tensor, on the tensor's device: reproducible, and fast for 8B shapes.
-            gen = torch.Generator(device=param.device).manual_seed(seed * 100_003 + index)
-            param.normal_(0.0, std, generator=gen)
+def tensor_names(folder: Path) -> list[str]:
+    """Every tensor name in the checkpoint folder, from the shard index or the file headers."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    names: list[str] = []
+    for path in weight_files(folder):
+        try:
+            with safe_open(str(path), framework="pt") as f:   # reads the header only
+                names.extend(f.keys())
+        except (OSError, RuntimeError, ValueError) as err:
+            raise CheckpointError(f"{path}: cannot read safetensors: {err}") from err
+    return names

@@ -1,22 +1,31 @@
-"""The small interface every draft exposes to the unified step.
+"""The small interface every draft exposes to the unified step, and how the registry builds one.
 
 A draft is an `nn.Module` with:
 - `aux_layer_ids: tuple[int, ...]`: target layer OUTPUTS it reads (DESIGN.md section 5);
-- `new_cache(slots, max_len, dtype, device)`: its own static state (KV cache), or None;
-- `propose(aux, next_tokens, positions, last_index, cache, kv_len, pick, slots=None)`:
-  from the target features of T new positions, propose K tokens for every row. `pick` turns draft
-  logits over the TARGET vocabulary into tokens (argmax, or a keyed sample plus its probabilities), so
-  drafts never know about sampling settings.
+- `num_speculative_tokens: int` (K);
+- `new_cache(slots, max_len, dtype, device)`: its own static state (a `Cache`), or None;
+- `propose(aux, next_tokens, positions, last_index, cache, attn, pick)`: from the target features
+  of the T new positions of every row (`attn` is the target forward's `AttentionBatch`: its rows
+  and key bound), propose K tokens per row. `pick` turns draft logits over the TARGET vocabulary
+  into tokens (argmax, or a keyed sample plus its probabilities), so drafts never know about
+  sampling settings.
 
 Tokens and probabilities always use the target's vocabulary: a draft with a reduced vocabulary maps
-its ids before returning. Nothing in `propose` may synchronise with the host.
+its ids before returning. Nothing in `propose` may synchronise with the host. A draft reaches its
+target only through the `Target` protocol (embed, final_norm, head), and never opens a file: the
+loader (checkpoints/loading.py) hands it tensors.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+
+from specgen.models.attention import AttentionBatch
+from specgen.models.protocol import TargetShape
 
 # pick(logits [B, V] over the target vocabulary, token positions [B]) -> (tokens [B], probs [B, V] | None)
 Pick = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -29,8 +38,29 @@ class Draft(Protocol):
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device): ...
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                last_index: torch.Tensor, cache, kv_len: int, pick: Pick,
-                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+                last_index: torch.Tensor, cache, attn: AttentionBatch,
+                pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+
+def _at_the_root(config: dict) -> str:
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class DraftBuilder:
+    """What the registry needs of a draft method (each draft module defines one as `METHOD`).
+
+    - `config_cls.from_hf(config, target_layers=, target_hidden=, target_vocab=)`, whose result
+      has `num_parameters()` and `cache_bytes_per_token(dtype)` (memory estimates);
+    - `build(config, state | None, target, *, num_speculative_tokens, dtype, device, seed, where)`:
+      the draft module from its HF config and tensors (None = random weights);
+    - `dummy_config(shape)`: an HF config in the target's shape, for random-init drafts;
+    - `weight_prefix(config)`: where the draft's tensors sit in its checkpoint files."""
+
+    config_cls: type
+    build: Callable[..., torch.nn.Module]
+    dummy_config: Callable[[TargetShape], dict]
+    weight_prefix: Callable[[dict], str] = _at_the_root
 
 
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
@@ -39,7 +69,7 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
     return (1, n // 2 - 1, n - 4)
 
 
-def read_draft_config(config_cls, config: dict, target, where: str, name: str):
+def read_draft_config(config_cls, config: dict, target, where: str, name: str) -> Any:
     """The draft's config checked against its target; a bad one is a CheckpointError naming the file."""
     from specgen.checkpoints.store import CheckpointError
 
@@ -48,19 +78,3 @@ def read_draft_config(config_cls, config: dict, target, where: str, name: str):
                                   target_hidden=target.hidden_size, target_vocab=target.vocab_size)
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(f"{where}/config.json: not a usable {name} config: {err}") from err
-
-
-def materialise(make: Callable[[], torch.nn.Module], state: dict[str, torch.Tensor], *, dummy: bool,
-                dtype: torch.dtype, device, seed: int, where: str) -> torch.nn.Module:
-    """Build a draft on the meta device and assign its checkpoint tensors, or build it on `device`
-    with deterministic random weights (load_format: dummy)."""
-    from specgen.checkpoints.weights import load_into, random_init
-
-    with torch.device(device if dummy else "meta"):
-        draft = make()
-    if dummy:
-        draft.to(dtype)
-        random_init(draft, seed=seed)
-    else:
-        load_into(draft, state, dtype=dtype, device=device, where=where)
-    return draft

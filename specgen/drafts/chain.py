@@ -1,9 +1,9 @@
 """Chained drafting, shared by EAGLE-3 and MTP: one pass over the new entries, then K - 1 single steps.
 
 Contract. A chained draft provides two hooks:
-- `_pass(feature [B, T, H], tokens [B, T], positions [B, T], cache, kv_len, slots) -> hidden [B, T, H]`:
-  entry j pairs the feature of position p_j with the token at p_j + 1, writes its draft-cache entry at
-  p_j and returns the layer's pre-norm output (which predicts the token at p_j + 2);
+- `_pass(feature [B, T, H], tokens [B, T], cache, attn) -> hidden [B, T, H]`: entry j pairs the
+  feature of position p_j = attn.positions[:, j] with the token at p_j + 1, writes its draft-cache
+  entry at p_j and returns the layer's pre-norm output (which predicts the token at p_j + 2);
 - `_logits(hidden [B, H]) -> logits [B, V]` over the TARGET vocabulary.
 
 `chain_propose` runs the first pass over all T new entries and reads row `last_index` (the last
@@ -17,25 +17,25 @@ from __future__ import annotations
 import torch
 
 from specgen.drafts.base import Pick
+from specgen.models.attention import AttentionBatch
 
 
-def chain_propose(draft, feature: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                  last_index: torch.Tensor, cache, kv_len: int, pick: Pick,
-                  slots: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    # feature: [B, T, H]; next_tokens (token at p + 1), positions (p): [B, T]; last_index: [B]
+def chain_propose(draft, feature: torch.Tensor, next_tokens: torch.Tensor, last_index: torch.Tensor,
+                  cache, attn: AttentionBatch, pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # feature: [B, T, H]; next_tokens (token at p + 1): [B, T]; last_index: [B]; attn.positions (p): [B, T]
     # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
     batch, k = feature.shape[0], draft.num_speculative_tokens
-    hidden = draft._pass(feature, next_tokens, positions, cache, kv_len, slots)
+    hidden = draft._pass(feature, next_tokens, cache, attn)
     rows = torch.arange(batch, device=feature.device)
     hidden = hidden[rows, last_index].unsqueeze(1)           # [B, 1, H]
-    position = positions[rows, last_index] + 1                # feature position of the next pass
+    position = attn.positions[rows, last_index] + 1           # feature position of the next pass
     tokens, probs = [], []
     for i in range(k):
         token, prob = pick(draft._logits(hidden[:, 0]), position + 1)  # the drafted token sits at p + 1
         tokens.append(token)
         probs.append(prob)
         if i + 1 < k:
-            hidden = draft._pass(hidden, token.unsqueeze(1), position.unsqueeze(1), cache, kv_len, slots)
+            hidden = draft._pass(hidden, token.unsqueeze(1), cache, attn.at(position.unsqueeze(1)))
             position = position + 1
     stacked = torch.stack(probs, 1) if probs[0] is not None else None
     return torch.stack(tokens, 1), stacked

@@ -41,11 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgen.checkpoints.store import CheckpointError
-from specgen.drafts.base import Pick, materialise, read_draft_config
+from specgen.drafts.base import DraftBuilder, Pick, read_draft_config
+from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
     GatedMLP,
-    KVCache,
     RMSNorm,
     RopeSettings,
     apply_rope,
@@ -53,6 +52,8 @@ from specgen.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from specgen.models.materialise import build
+from specgen.models.protocol import TargetShape
 
 
 def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
@@ -157,6 +158,9 @@ class DFlashConfig:
         layer = attn + 3 * h * i + 2 * h
         return self.num_layers * layer + len(self.target_layer_ids) * h * h + 2 * h
 
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+
 
 class DFlashAttention(nn.Module):
     """Q from the block; K/V from the cached context and the block, with shared projections."""
@@ -178,25 +182,22 @@ class DFlashAttention(nn.Module):
         q_rows = self.heads * self.head_dim
         bias = self.qkv_proj.bias[q_rows:] if self.qkv_proj.bias is not None else None
         k, v = F.linear(ctx, self.qkv_proj.weight[q_rows:], bias).chunk(2, dim=-1)
-        k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)).transpose(1, 2), cos, sin)
-        v = self._heads(v, self.kv_heads).transpose(1, 2)
-        heads = torch.arange(self.kv_heads, device=ctx.device)
-        index = (rows.view(-1, 1, 1), heads.view(1, -1, 1), positions.unsqueeze(1))
-        cache.k[layer].index_put_(index, k.to(cache.k[layer].dtype))
-        cache.v[layer].index_put_(index, v.to(cache.v[layer].dtype))
+        k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)), cos, sin)
+        cache.write(layer, rows, positions, k, self._heads(v, self.kv_heads))
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask, kv_len: int, slots) -> torch.Tensor:
-        # x: [B, L, H] normed block; mask: [B, 1, L, kv_len + L] -> [B, L, H]
+    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask, rows) -> torch.Tensor:
+        # x: [B, L, H] normed block; mask: [B, 1, L, kv_len + L]; rows: [B] | None -> [B, L, H]
         batch, length, _ = x.shape
+        kv_len = mask.shape[-1] - length
         q, k, v = self.qkv_proj(x).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
             dim=-1)
-        q = apply_rope(self.q_norm(self._heads(q, self.heads)).transpose(1, 2), cos, sin)
-        k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)).transpose(1, 2), cos, sin)
+        q = apply_rope(self.q_norm(self._heads(q, self.heads)), cos, sin).transpose(1, 2)
+        k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)), cos, sin).transpose(1, 2)
         v = self._heads(v, self.kv_heads).transpose(1, 2)
         keys, values = cache.k[layer][:, :, :kv_len], cache.v[layer][:, :, :kv_len]
-        if slots is not None:
-            keys, values = keys[slots], values[slots]
+        if rows is not None:
+            keys, values = keys[rows], values[rows]
         keys = torch.cat((keys.to(k.dtype), k), dim=2)
         values = torch.cat((values.to(v.dtype), v), dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
@@ -212,15 +213,15 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, layer, mask, kv_len, slots):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, kv_len, slots)
+    def forward(self, x, cos, sin, cache, layer, mask, rows):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def block_masks(cfg: DFlashConfig, block_pos: torch.Tensor, kv_len: int) -> list[torch.Tensor]:
+def block_masks(cfg: DFlashConfig, block_pos: torch.Tensor, key_index: torch.Tensor) -> list[torch.Tensor]:
     """Per-layer masks [B, 1, L, kv_len + L] over [context keys 0..kv_len-1, block keys]."""
-    # block_pos: [B, L]; context key k is visible when k < anchor_pos (committed positions only).
-    keys = torch.arange(kv_len, device=block_pos.device).view(1, 1, -1)
+    # block_pos: [B, L]; key_index: [kv_len] arange; context key k is visible when k < anchor_pos.
+    keys = key_index.view(1, 1, -1)
     query = block_pos.unsqueeze(-1)                                          # [B, L, 1]
     anchor = block_pos[:, :1].unsqueeze(-1)                                  # [B, 1, 1]
     context = (keys < anchor).expand(-1, block_pos.shape[1], -1)            # [B, L, kv_len]
@@ -255,19 +256,22 @@ class DFlashDraft(nn.Module):
         self._target = (target,)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
 
+    def init_buffers(self, device) -> None:
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
+
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
-    def block_logits(self, aux, next_tokens, positions, last_index, cache: KVCache, kv_len: int,
-                     slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def block_logits(self, aux, next_tokens, positions, last_index, cache: KVCache,
+                     attn: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # aux: [B, T, n * H]; next_tokens, positions: [B, T]; last_index: [B]
-        # returns logits [B, K, V] of block indices 1..K and their positions [B, K]
+        # returns logits [B, K, V] (float32) of block indices 1..K and their positions [B, K]
         target = self._target[0]
         batch = aux.shape[0]
         length = self.num_speculative_tokens + 1
         rows = torch.arange(batch, device=aux.device)
-        cache_rows = slots if slots is not None else rows
+        cache_rows = attn.cache_rows(batch, aux.device)
         anchor = next_tokens[rows, last_index]                                  # [B]
         anchor_pos = positions[rows, last_index] + 1                            # [B]
         block_pos = anchor_pos.unsqueeze(1) + torch.arange(length, device=aux.device)
@@ -276,19 +280,19 @@ class DFlashDraft(nn.Module):
         ctx = self.hidden_norm(self.fc(aux))                                    # [B, T, H]
         cos_c, sin_c = rope_cos_sin(positions, self.inv_freq, x.dtype)
         cos_b, sin_b = rope_cos_sin(block_pos, self.inv_freq, x.dtype)
-        layer_masks = block_masks(self.config, block_pos, kv_len)
+        layer_masks = block_masks(self.config, block_pos, attn.key_index)
         for i, layer in enumerate(self.layers):
             # The context enters k_proj / v_proj as is (no input_layernorm), like the reference.
             layer.self_attn.write_context(ctx, cos_c, sin_c, cache, i, positions, cache_rows)
-            x = layer(x, cos_b, sin_b, cache, i, layer_masks[i], kv_len, slots)
+            x = layer(x, cos_b, sin_b, cache, i, layer_masks[i], attn.rows)
         # The target's lm_head on the draft's own norm; the target's final norm is not applied.
-        return target.lm_head(self.norm(x[:, 1:])), block_pos[:, 1:]
+        return target.head(self.norm(x[:, 1:])), block_pos[:, 1:]
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                last_index: torch.Tensor, cache: KVCache, kv_len: int, pick: Pick,
-                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_index: torch.Tensor, cache: KVCache, attn: AttentionBatch,
+                pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
         # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-        logits, where = self.block_logits(aux, next_tokens, positions, last_index, cache, kv_len, slots)
+        logits, where = self.block_logits(aux, next_tokens, positions, last_index, cache, attn)
         tokens, probs = [], []
         for i in range(self.num_speculative_tokens):
             token, prob = pick(logits[:, i], where[:, i])
@@ -306,9 +310,8 @@ def convert_dflash_state_dict(state: dict[str, torch.Tensor], cfg: DFlashConfig)
     return out
 
 
-def dummy_dflash_config(target) -> dict:
+def dummy_dflash_config(t: TargetShape) -> dict:
     """A DFlash config in the target's shape (2 layers, block 8), for random-init demo drafts."""
-    t = target.config
     layers = 2
     return {
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": layers,
@@ -324,21 +327,18 @@ def dummy_dflash_config(target) -> dict:
     }
 
 
-def load_dflash_draft(config: dict, folder, target, *, num_speculative_tokens: int | None,
-                      dtype: torch.dtype, device, dummy: bool, seed: int = 0) -> DFlashDraft:
-    """Build the draft for `target` from its HF config and weights (or random weights when dummy)."""
-    from specgen.checkpoints.store import weight_files
-    from specgen.checkpoints.weights import read_tensors
-
-    where = str(folder) if folder else "draft"
+def build_dflash_draft(config: dict, state: dict[str, torch.Tensor] | None, target, *,
+                       num_speculative_tokens: int | None, dtype: torch.dtype, device, seed: int = 0,
+                       where: str = "draft") -> DFlashDraft:
+    """The draft for `target` from its HF config and tensors (None = random weights)."""
     cfg = read_draft_config(DFlashConfig, config, target, where, "DFlash")
     k = cfg.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
     if not 1 <= k <= cfg.block_size - 1:
         raise ValueError(f"num_speculative_tokens {k} must be in 1..block_size - 1 = {cfg.block_size - 1}")
-    if getattr(target, "lm_head", None) is None:
-        raise CheckpointError(f"{where}: DFlash needs the target's lm_head, which this target lacks")
-    state = {} if dummy else convert_dflash_state_dict(read_tensors(weight_files(folder)), cfg)
-    draft = materialise(lambda: DFlashDraft(cfg, k, target), state, dummy=dummy, dtype=dtype,
-                        device=device, seed=seed, where=where)
-    draft.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
-    return draft.eval().requires_grad_(False)
+    if state is not None:
+        state = convert_dflash_state_dict(state, cfg)
+    return build(lambda: DFlashDraft(cfg, k, target), state, dtype=dtype, device=device, seed=seed,
+                 where=where)
+
+
+METHOD = DraftBuilder(DFlashConfig, build_dflash_draft, dummy_dflash_config)

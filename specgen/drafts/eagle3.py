@@ -25,19 +25,21 @@ import torch
 from torch import nn
 
 from specgen.checkpoints.store import CheckpointError
-from specgen.drafts.base import Pick, default_aux_layer_ids, materialise, read_draft_config
+from specgen.drafts.base import DraftBuilder, Pick, default_aux_layer_ids, read_draft_config
 from specgen.drafts.chain import chain_propose
+from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
     CachedSelfAttention,
     GatedMLP,
-    KVCache,
     RMSNorm,
     RopeSettings,
-    causal_mask,
+    float32_logits,
     fuse_attention_and_mlp_keys,
     rope_cos_sin,
     rope_inv_freq,
 )
+from specgen.models.materialise import build
+from specgen.models.protocol import TargetShape
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
 
@@ -99,6 +101,9 @@ class Eagle3Config:
         return (layer + len(self.aux_layer_ids) * self.target_hidden_size * h + h
                 + self.draft_vocab_size * h + embed)
 
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return KVCache.bytes_per_token(1, self.num_kv_heads, self.head_dim, dtype)
+
 
 class Eagle3Layer(nn.Module):
     def __init__(self, cfg: Eagle3Config) -> None:
@@ -111,18 +116,17 @@ class Eagle3Layer(nn.Module):
         self.mlp = GatedMLP(h, cfg.intermediate_size)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, emb, feature, cos, sin, cache, positions, mask, kv_len, slots):
+    def forward(self, emb, feature, cos, sin, cache, batch: AttentionBatch):
         # emb, feature: [B, T, H] -> [B, T, H] (pre-norm output, fed back as the next feature)
         normed = self.hidden_norm(feature)
         residual = normed if self.norm_before_residual else feature
         x = torch.cat((self.input_layernorm(emb), normed), dim=-1)  # embedding first
-        h = residual + self.self_attn(x, cos, sin, cache, 0, positions, mask, kv_len, slots)
+        h = residual + self.self_attn(x, cos, sin, cache, 0, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: Eagle3Config, num_speculative_tokens: int,
-                 target_embedding: nn.Embedding | None) -> None:
+    def __init__(self, cfg: Eagle3Config, num_speculative_tokens: int, target, own_embedding: bool) -> None:
         super().__init__()
         self.config = cfg
         self.aux_layer_ids = cfg.aux_layer_ids
@@ -131,22 +135,22 @@ class Eagle3Draft(nn.Module):
         self.layer = Eagle3Layer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        if target_embedding is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        else:
-            self.embed_tokens = None
-            # Held outside the module tree so it is neither saved nor loaded as a draft weight.
-            self._shared_embedding = (target_embedding,)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if own_embedding else None
+        # Held outside the module tree: the target's weights are neither saved nor loaded here.
+        self._target = (target,)
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+
+    def init_buffers(self, device) -> None:
+        self.draft_to_target = torch.arange(self.config.draft_vocab_size, device=device)
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
 
     @property
     def reduced_vocab(self) -> bool:
         return self.config.draft_vocab_size != self.config.vocab_size
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.embed_tokens is not None else self._shared_embedding[0]
-        return table(tokens)
+        return self.embed_tokens(tokens) if self.embed_tokens is not None else self._target[0].embed(tokens)
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.config
@@ -159,23 +163,21 @@ class Eagle3Draft(nn.Module):
         full = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
         return full.index_copy(1, self.draft_to_target, draft_logits)
 
-    def _pass(self, feature, tokens, positions, cache, kv_len, slots):
-        # feature: [B, T, H]; tokens, positions: [B, T] -> pre-norm hidden [B, T, H]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, feature.dtype)
-        mask = causal_mask(positions, kv_len)
-        return self.layer(self.embed(tokens), feature, cos, sin, cache, positions, mask, kv_len, slots)
+    def _pass(self, feature, tokens, cache, attn: AttentionBatch):
+        # feature: [B, T, H]; tokens: [B, T] at attn.positions -> pre-norm hidden [B, T, H]
+        cos, sin = rope_cos_sin(attn.positions, self.inv_freq, feature.dtype)
+        return self.layer(self.embed(tokens), feature, cos, sin, cache, attn)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [B, H] pre-norm -> logits [B, V] over the target vocabulary
-        return self.target_logits(self.lm_head(self.norm(hidden)))
+        # hidden: [B, H] pre-norm -> logits [B, V] (float32) over the target vocabulary
+        return self.target_logits(float32_logits(self.norm(hidden), self.lm_head.weight))
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                last_index: torch.Tensor, cache: KVCache, kv_len: int, pick: Pick,
-                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_index: torch.Tensor, cache: KVCache, attn: AttentionBatch,
+                pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
         # aux: [B, T, 3 * H_target]; next_tokens (token at p + 1), positions (p): [B, T]; last_index: [B]
         # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-        return chain_propose(self, self.fc(aux), next_tokens, positions, last_index, cache, kv_len,
-                             pick, slots)
+        return chain_propose(self, self.fc(aux), next_tokens, last_index, cache, attn, pick)
 
 
 def convert_eagle3_state_dict(state: dict[str, torch.Tensor], cfg: Eagle3Config,
@@ -197,16 +199,15 @@ def convert_eagle3_state_dict(state: dict[str, torch.Tensor], cfg: Eagle3Config,
                                   f"{cfg.vocab_size} but the checkpoint has no d2t")
         if tuple(d2t.shape) != (cfg.draft_vocab_size,):
             raise CheckpointError(f"{where}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
-        mapping = torch.arange(cfg.draft_vocab_size) + d2t.long()
+        mapping = torch.arange(cfg.draft_vocab_size, device=d2t.device) + d2t.long()
         if int(mapping.min()) < 0 or int(mapping.max()) >= cfg.vocab_size:
             raise CheckpointError(f"{where}: d2t maps draft ids outside the target vocabulary")
         return out, mapping
     return out, None
 
 
-def dummy_eagle3_config(target) -> dict:
+def dummy_eagle3_config(t: TargetShape) -> dict:
     """An EAGLE-3 config in the target's shape (full vocabulary), for random-init demo drafts."""
-    t = target.config
     return {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
         "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
@@ -216,25 +217,24 @@ def dummy_eagle3_config(target) -> dict:
     }
 
 
-def load_eagle3_draft(config: dict, folder, target, *, num_speculative_tokens: int,
-                      dtype: torch.dtype, device, dummy: bool, seed: int = 0) -> Eagle3Draft:
-    """Build the draft for `target` from its HF config and weights (or random weights when dummy)."""
-    from specgen.checkpoints.store import weight_files
-    from specgen.checkpoints.weights import read_tensors
-
-    where = str(folder) if folder else "draft"
+def build_eagle3_draft(config: dict, state: dict[str, torch.Tensor] | None, target, *,
+                       num_speculative_tokens: int, dtype: torch.dtype, device, seed: int = 0,
+                       where: str = "draft") -> Eagle3Draft:
+    """The draft for `target` from its HF config and tensors (None = random weights)."""
     cfg = read_draft_config(Eagle3Config, config, target, where, "EAGLE-3")
-    state, mapping = {}, None
-    if not dummy:
-        state, mapping = convert_eagle3_state_dict(read_tensors(weight_files(folder)), cfg, where)
-    shared = None if "embed_tokens.weight" in state else target.model.embed_tokens
-    if shared is not None and cfg.hidden_size != target.hidden_size:
+    mapping = None
+    if state is not None:
+        state, mapping = convert_eagle3_state_dict(state, cfg, where)
+    own_embedding = state is not None and "embed_tokens.weight" in state
+    if not own_embedding and cfg.hidden_size != target.hidden_size:
         raise CheckpointError(f"{where}: the draft has no embed_tokens.weight, so it shares the target's "
                               f"embedding, but its hidden_size {cfg.hidden_size} differs from the "
                               f"target's {target.hidden_size}")
-    draft = materialise(lambda: Eagle3Draft(cfg, num_speculative_tokens, shared), state, dummy=dummy,
-                        dtype=dtype, device=device, seed=seed, where=where)
-    draft.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope).to(device)
-    draft.draft_to_target = (mapping if mapping is not None
-                             else torch.arange(cfg.draft_vocab_size)).to(device)
-    return draft.eval().requires_grad_(False)
+    draft = build(lambda: Eagle3Draft(cfg, num_speculative_tokens, target, own_embedding), state,
+                  dtype=dtype, device=device, seed=seed, where=where)
+    if mapping is not None:
+        draft.draft_to_target = mapping.to(device)
+    return draft
+
+
+METHOD = DraftBuilder(Eagle3Config, build_eagle3_draft, dummy_eagle3_config)

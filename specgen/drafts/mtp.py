@@ -25,39 +25,39 @@ entry at position 0; we do not (it only touches the first prompt entry, and the 
 formula has no such rule): draft quality only, never losslessness.
 
 Checkpoint layout (README_WEIGHTS.md of DeepSeek-V3, ALGORITHMS.md section 3.2): the layer sits at
-`model.layers.{N}.*` with N = `num_hidden_layers`, either inside the target checkpoint (then `config`
-is the target's config.json) or in a separate folder with the same key names and its own config.json.
+`model.layers.{N}.*` with N = `num_hidden_layers` (`METHOD.weight_prefix`), either inside the target
+checkpoint (then `config` is the target's config.json) or in a separate folder with the same key
+names and its own config.json; the loader hands this module the tensors under that prefix.
 Only `num_nextn_predict_layers` == 1 is supported. `embed_tokens` and `shared_head.head` are optional:
 absent (or equal to the target's, as DeepSeek stores duplicates) they are shared with the target.
 
 The block is pluggable (`MTP_BLOCKS`, keyed by `model_type`): a block module exposes
-`decode(h [B, T, H], positions [B, T], cache, kv_len, slots) -> [B, T, H]`, `new_cache`
-and `init_buffers(device)`; an adapter rewrites its checkpoint keys. Only the Llama decoder layer is
+`decode(h [B, T, H], cache, attn) -> [B, T, H]` (positions in `attn`), `new_cache` and
+`init_buffers(device)`; an adapter rewrites its checkpoint keys. Only the Llama decoder layer is
 provided; the DeepSeek-V3 block (MLA + MoE) plugs in beside it.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from specgen.checkpoints.store import CheckpointError
-from specgen.drafts.base import Pick, materialise, read_draft_config
+from specgen.drafts.base import DraftBuilder, Pick, read_draft_config
 from specgen.drafts.chain import chain_propose
+from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
-    KVCache,
     RMSNorm,
-    causal_mask,
+    float32_logits,
     fuse_attention_and_mlp_keys,
     rope_cos_sin,
     rope_inv_freq,
 )
 from specgen.models.llama import LlamaConfig, LlamaDecoderLayer
+from specgen.models.materialise import build
+from specgen.models.protocol import TargetShape
 
 # ------------------------------------------------------------------------------------------ blocks
 
@@ -73,15 +73,14 @@ class LlamaMtpBlock(LlamaDecoderLayer):
     def init_buffers(self, device) -> None:
         self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
 
-    def decode(self, h, positions, cache, kv_len, slots):
-        # h: [B, T, H]; positions: [B, T] -> [B, T, H]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
-        return self(h, cos, sin, cache, 0, positions, causal_mask(positions, kv_len), kv_len, slots)
+    def decode(self, h, cache, attn: AttentionBatch):
+        # h: [B, T, H] at attn.positions -> [B, T, H]
+        cos, sin = rope_cos_sin(attn.positions, self.inv_freq, h.dtype)
+        return self(h, cos, sin, cache, 0, attn)
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.config
         return KVCache(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
-
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,12 +89,17 @@ class BlockKind:
     build: Callable[[Any], nn.Module]               # block config -> module
     adapt_keys: Callable[[dict, str], None]         # rewrite checkpoint keys under a prefix, in place
     num_parameters: Callable[[Any], int]
+    cache_bytes_per_token: Callable[[Any, torch.dtype], int]     # block config, dtype -> bytes
+
+
+def _one_llama_layer_cache(cfg: LlamaConfig, dtype: torch.dtype) -> int:
+    return KVCache.bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
 # model_type -> block; the DeepSeek-V3 block (MLA attention + MoE MLP) is not implemented yet.
 MTP_BLOCKS: dict[str, BlockKind] = {
     "llama": BlockKind(LlamaConfig.from_hf, LlamaMtpBlock, fuse_attention_and_mlp_keys,
-                       LlamaConfig.layer_parameters),
+                       LlamaConfig.layer_parameters, _one_llama_layer_cache),
 }
 
 
@@ -145,13 +149,8 @@ class MtpConfig:
             block=MTP_BLOCKS[kind].read_config(config),
         )
 
-    @property
-    def num_kv_heads(self) -> int:
-        return self.block.num_kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self.block.head_dim
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return MTP_BLOCKS[self.block_type].cache_bytes_per_token(self.block, dtype)
 
     def num_parameters(self, own_embedding: bool = False, own_head: bool = False) -> int:
         h, v = self.hidden_size, self.vocab_size
@@ -171,8 +170,8 @@ class SharedHead(nn.Module):
 
 
 class MtpDraft(nn.Module):
-    """The MTP module over any block; the target's embedding, head and final norm are shared, held
-    outside the module tree so they are neither saved nor loaded as draft weights."""
+    """The MTP module over any block; the target's embedding, head and final norm are shared (the
+    target is held outside the module tree, so they are neither saved nor loaded as draft weights)."""
 
     def __init__(self, cfg: MtpConfig, block: nn.Module, num_speculative_tokens: int, target, *,
                  own_embedding: bool, own_head: bool) -> None:
@@ -187,62 +186,39 @@ class MtpDraft(nn.Module):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.block = block
         self.shared_head = SharedHead(cfg, own_head)
-        self._target = (target.model.embed_tokens, target.lm_head, target.model.norm)
+        self._target = (target,)
+
+    def init_buffers(self, device) -> None:
+        self.block.init_buffers(device)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        table = self.embed_tokens if self.embed_tokens is not None else self._target[0]
-        return table(tokens)
+        return self.embed_tokens(tokens) if self.embed_tokens is not None else self._target[0].embed(tokens)
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device):
         return self.block.new_cache(slots, max_len, dtype, device)
 
-
-    def _pass(self, feature, tokens, positions, cache, kv_len, slots):
-        # feature: [B, T, H]; tokens, positions: [B, T] -> pre-norm block output [B, T, H]
+    def _pass(self, feature, tokens, cache, attn: AttentionBatch):
+        # feature: [B, T, H]; tokens: [B, T] at attn.positions -> pre-norm block output [B, T, H]
         x = self.eh_proj(torch.cat((self.enorm(self.embed(tokens)), self.hnorm(feature)), -1))
-        return self.block.decode(x, positions, cache, kv_len, slots)
+        return self.block.decode(x, cache, attn)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [B, H] -> [B, V]
-        head = self.shared_head.head if self.shared_head.head is not None else self._target[1]
-        return head(self.shared_head.norm(hidden))
+        # hidden: [B, H] -> [B, V] float32
+        normed = self.shared_head.norm(hidden)
+        if self.shared_head.head is None:
+            return self._target[0].head(normed)
+        return float32_logits(normed, self.shared_head.head.weight)
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                last_index: torch.Tensor, cache, kv_len: int, pick: Pick,
-                slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_index: torch.Tensor, cache, attn: AttentionBatch,
+                pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
         # aux: [B, T, H] the target's last layer output (pre final norm); next_tokens, positions: [B, T]
         # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-        feature = self._target[2](aux)                       # the target's final norm (see docstring)
-        return chain_propose(self, feature, next_tokens, positions, last_index, cache, kv_len, pick, slots)
+        feature = self._target[0].final_norm(aux)            # the target's final norm (see docstring)
+        return chain_propose(self, feature, next_tokens, last_index, cache, attn, pick)
 
 
 # ----------------------------------------------------------------------------------------- loading
-
-
-def _key_names(folder: Path) -> list[str]:
-    from safetensors import safe_open
-
-    from specgen.checkpoints.store import weight_files
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text())["weight_map"])
-    names: list[str] = []
-    for path in weight_files(folder):
-        try:
-            with safe_open(str(path), framework="pt") as f:   # reads the header only
-                names.extend(f.keys())
-        except (OSError, RuntimeError, ValueError) as err:
-            raise CheckpointError(f"{path}: cannot read safetensors: {err}") from err
-    return names
-
-
-def has_mtp_layer(folder, config: dict) -> bool:
-    """Whether the checkpoint in `folder` carries `model.layers.{num_hidden_layers}.*` (an MTP layer)."""
-    if folder is None:
-        return False
-    prefix = f"model.layers.{int(config['num_hidden_layers'])}."
-    return any(name.startswith(prefix) for name in _key_names(Path(folder)))
 
 
 def convert_mtp_state_dict(state: dict[str, torch.Tensor], cfg: MtpConfig) -> dict[str, torch.Tensor]:
@@ -261,9 +237,8 @@ def _drop_duplicate(state: dict, key: str, shared: torch.Tensor, dtype: torch.dt
         del state[key]
 
 
-def dummy_mtp_config(target) -> dict:
+def dummy_mtp_config(t: TargetShape) -> dict:
     """A one-layer MTP config in the target's shape (Llama block), for random-init demo drafts."""
-    t = target.config
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "num_hidden_layers": t.num_layers, "num_nextn_predict_layers": 1,
@@ -277,28 +252,27 @@ def dummy_mtp_config(target) -> dict:
     return config
 
 
-def load_mtp_draft(config: dict, folder, target, *, num_speculative_tokens: int,
-                   dtype: torch.dtype, device, dummy: bool, seed: int = 0) -> MtpDraft:
-    """Build the MTP draft for `target` from `config` (the draft folder's, or the target's own when the
-    layer sits inside the target checkpoint and `folder` is the target folder)."""
-    from specgen.checkpoints.store import weight_files
-    from specgen.checkpoints.weights import read_tensors
+def mtp_weight_prefix(config: dict) -> str:
+    """The MTP layer's tensors: `model.layers.{num_hidden_layers}.*`."""
+    return f"model.layers.{int(config['num_hidden_layers'])}."
 
-    where = str(folder) if folder else "draft"
+
+def build_mtp_draft(config: dict, state: dict[str, torch.Tensor] | None, target, *,
+                    num_speculative_tokens: int, dtype: torch.dtype, device, seed: int = 0,
+                    where: str = "draft") -> MtpDraft:
+    """The MTP draft for `target` from `config` (the draft folder's, or the target's own when the layer
+    sits inside the target checkpoint) and the tensors under `mtp_weight_prefix` (prefix stripped;
+    None = random weights)."""
     cfg = read_draft_config(MtpConfig, config, target, where, "MTP")
-    state: dict[str, torch.Tensor] = {}
-    if not dummy:
-        prefix = f"model.layers.{cfg.layer_index}."
-        state = read_tensors(weight_files(Path(folder)), prefix=prefix, strip_prefix=True)
-        if not state:
-            raise CheckpointError(f"{where}: no MTP layer (no weights under {prefix}*)")
+    if state is not None:
         state = convert_mtp_state_dict(state, cfg)
-        _drop_duplicate(state, "embed_tokens.weight", target.model.embed_tokens.weight, dtype)
-        _drop_duplicate(state, "shared_head.head.weight", target.lm_head.weight, dtype)
-    own_embedding, own_head = "embed_tokens.weight" in state, "shared_head.head.weight" in state
-    draft = materialise(lambda: MtpDraft(cfg, MTP_BLOCKS[cfg.block_type].build(cfg.block),
-                                         num_speculative_tokens, target, own_embedding=own_embedding,
-                                         own_head=own_head),
-                        state, dummy=dummy, dtype=dtype, device=device, seed=seed, where=where)
-    draft.block.init_buffers(device)
-    return draft.eval().requires_grad_(False)
+        _drop_duplicate(state, "embed_tokens.weight", target.input_embedding, dtype)
+        _drop_duplicate(state, "shared_head.head.weight", target.output_embedding, dtype)
+    own_embedding = state is not None and "embed_tokens.weight" in state
+    own_head = state is not None and "shared_head.head.weight" in state
+    return build(lambda: MtpDraft(cfg, MTP_BLOCKS[cfg.block_type].build(cfg.block), num_speculative_tokens,
+                                  target, own_embedding=own_embedding, own_head=own_head),
+                 state, dtype=dtype, device=device, seed=seed, where=where)
+
+
+METHOD = DraftBuilder(MtpConfig, build_mtp_draft, dummy_mtp_config, mtp_weight_prefix)

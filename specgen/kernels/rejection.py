@@ -295,3 +295,24 @@ def verify_triton(
         num_warps=num_warps,
     )
     return accepted, emitted
+
+
+@torch.library.custom_op("specgen::verify", mutates_args=())
+def verify_op(
+    logprobs: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    greedy: torch.Tensor,
+    noise_key: torch.Tensor,
+    positions: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_triton` as an opaque custom op: torch.compile calls it as one extern node and CUDA
+    graphs capture its launch. (Traced as Python, Inductor would re-emit the kernel's source and
+    lose the module-qualified device functions it calls: GPU_NOTES 1.)"""
+    return verify_triton(logprobs, draft_tokens, draft_probs, greedy, noise_key, positions)
+
+
+@verify_op.register_fake
+def _(logprobs, draft_tokens, draft_probs, greedy, noise_key, positions):
+    B, K1, _ = logprobs.shape
+    return logprobs.new_empty(B, dtype=torch.int64), logprobs.new_empty(B, K1, dtype=torch.int64)

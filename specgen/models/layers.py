@@ -1,8 +1,9 @@
 """Building blocks shared by our model code: RMSNorm, rotary embeddings, cached attention, gated MLP.
 
-Contract: every function here works on explicit tensors and static shapes. Attention reads and writes
-a preallocated KV cache at per-row positions (`positions[B, T]`), so one batch may hold slots of
-different lengths; nothing here synchronises with the host.
+Contract: every function here works on explicit tensors and static shapes, in the `[B, T, heads,
+head_dim]` layout. Attention reads and writes a preallocated KV cache at per-row positions through
+`models/attention.py`, so one batch may hold slots of different lengths; nothing here synchronises
+with the host.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specgen.models.attention import AttentionBatch, KVCache, attend
 
 
 class RMSNorm(nn.Module):
@@ -75,69 +78,17 @@ def rope_inv_freq(head_dim: int, rope: RopeSettings) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    # positions: [B, T] int64 -> cos, sin: [B, 1, T, head_dim] (broadcast over heads)
+    # positions: [B, T] int64 -> cos, sin: [B, T, 1, head_dim] (broadcast over heads of [B, T, H, D])
     freqs = positions.unsqueeze(-1).float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+    return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [B, H, T, D]; rotate-half convention (HF Llama weights are permuted for it)
+    # x: [B, T, H, D]; rotate-half convention (HF Llama weights are permuted for it)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-# ---------------------------------------------------------------------------------------- KV cache
-
-
-class KVCache:
-    """Preallocated keys and values, one `[slots, kv_heads, max_len, head_dim]` tensor per layer.
-
-    Entries at positions >= a slot's committed length are scratch: a step may write them and the next
-    step overwrites them, so rejected drafts never need an undo. One tensor per layer (not one stacked
-    tensor) because torch.compile writes into a whole graph input in place, but copies a tensor
-    around a write into a view of one."""
-
-    def __init__(self, layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[2]
-
-    @staticmethod
-    def bytes_needed(layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int,
-                     dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * layers * slots * kv_heads * max_len * head_dim * itemsize
-
-
-def causal_mask(positions: torch.Tensor, kv_len: int) -> torch.Tensor:
-    # positions: [B, T] -> [B, 1, T, kv_len] bool; a query sees every key at or before its position.
-    keys = torch.arange(kv_len, device=positions.device)
-    return (keys.view(1, 1, 1, kv_len) <= positions.view(positions.shape[0], 1, -1, 1))
-
-
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, layer: int,
-                     positions: torch.Tensor, mask: torch.Tensor, kv_len: int,
-                     slots: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
-    # q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; positions: [B, T]; mask: [B, 1, T, kv_len]
-    # slots: [B] cache rows of this batch, or None when the batch is all slots in order (the step).
-    batch, kv_heads = k.shape[0], k.shape[1]
-    rows = slots if slots is not None else torch.arange(batch, device=q.device)
-    heads = torch.arange(kv_heads, device=q.device)
-    index = (rows.view(-1, 1, 1), heads.view(1, -1, 1), positions.unsqueeze(1))
-    cache.k[layer].index_put_(index, k)
-    cache.v[layer].index_put_(index, v)
-    keys, values = cache.k[layer][:, :, :kv_len], cache.v[layer][:, :, :kv_len]
-    if slots is not None:
-        keys, values = keys[slots], values[slots]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                          enable_gqa=q.shape[1] != kv_heads)
 
 
 class GatedMLP(nn.Module):
@@ -171,19 +122,15 @@ class CachedSelfAttention(nn.Module):
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layer: int, positions: torch.Tensor, mask: torch.Tensor, kv_len: int,
-                slots: torch.Tensor | None) -> torch.Tensor:
+                layer: int, batch: AttentionBatch) -> torch.Tensor:
         # x: [B, T, in_dim] -> [B, T, hidden]
-        batch, length, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
-            dim=-1)
-        q = q.view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = cached_attention(q, k, v, cache, layer, positions, mask, kv_len, slots)
-        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+        B, T, _ = x.shape
+        d = self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
+        q = apply_rope(q.view(B, T, self.heads, d), cos, sin)
+        k = apply_rope(k.view(B, T, self.kv_heads, d), cos, sin)
+        out = attend(q, k, v.view(B, T, self.kv_heads, d), cache, layer, batch)
+        return self.o_proj(out.reshape(B, T, -1))
 
 
 def fuse_attention_and_mlp_keys(state: dict[str, torch.Tensor], prefix: str) -> None:
@@ -195,3 +142,19 @@ def fuse_attention_and_mlp_keys(state: dict[str, torch.Tensor], prefix: str) -> 
     gate, up = f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"
     if gate in state and up in state:
         state[f"{prefix}mlp.gate_up_proj.weight"] = fuse_rows(state.pop(gate), state.pop(up))
+
+
+def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """LM head whose output is float32 straight from the GEMM (GPU_NOTES 8).
+
+    Verification compares logits from GEMMs with M = B(K+1) rows against plain decoding's M = B;
+    they tile differently, and rounding their outputs to bf16 would turn small differences into
+    ties that flip. On CUDA the half-precision GEMM accumulates in fp32 and writes fp32
+    (`out_dtype`); on CPU the half-precision case (rare) casts the output."""
+    # hidden: [..., H]; weight: [V, H] -> [..., V] float32
+    if weight.dtype == torch.float32:
+        return F.linear(hidden, weight)
+    if hidden.is_cuda:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], -1)
+    return F.linear(hidden, weight).float()

@@ -1,9 +1,9 @@
 """Llama-3 target model (our own code, not transformers').
 
-Contract: `LlamaForCausalLM.forward(tokens[B, T], positions[B, T], cache, kv_len, ...)` writes the K/V
-of the T new tokens of each row at that row's positions, attends causally over the cache up to
-`kv_len` keys, and returns logits for the requested rows plus the hidden states of the layers a draft
-asked for. Layer ids name layer OUTPUTS (id i = the residual stream leaving layer i, HF
+Contract: `LlamaForCausalLM` is a `Target` (models/protocol.py): `forward(tokens[B, T], positions[B, T],
+cache, attn, capture)` writes the K/V of the T new tokens of each row at that row's positions, attends
+causally over the cache, and returns the last layer's output plus the hidden states of the layers a
+draft asked for. Layer ids name layer OUTPUTS (id i = the residual stream leaving layer i, HF
 `hidden_states[i + 1]`), the convention of every draft checkpoint (DESIGN.md section 5).
 
 Parameter names follow the HF checkpoint (`model.layers.{i}...`) except that q/k/v and gate/up are
@@ -17,17 +17,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
     CachedSelfAttention,
     GatedMLP,
-    KVCache,
     RMSNorm,
     RopeSettings,
-    causal_mask,
+    float32_logits,
     fuse_attention_and_mlp_keys,
     rope_cos_sin,
     rope_inv_freq,
 )
+from specgen.models.protocol import TargetBuilder, TargetShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +77,13 @@ class LlamaConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * self.layer_parameters() + self.vocab_size * h + h + head
 
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+
+    def shape(self) -> TargetShape:
+        return TargetShape(self.num_layers, self.hidden_size, self.intermediate_size, self.num_heads,
+                           self.num_kv_heads, self.head_dim, self.vocab_size, self.rms_norm_eps, self.rope)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -86,9 +94,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, h, cos, sin, cache, layer, positions, mask, kv_len, slots):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, positions, mask,
-                               kv_len, slots)
+    def forward(self, h, cos, sin, cache, layer, batch: AttentionBatch):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -104,11 +111,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
+        self.shape = cfg.shape()
         self.model = LlamaModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, two names
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
 
-    # -- interface used by pipelines/ and drafts/ -------------------------------------------------
+    # -- the Target protocol (models/protocol.py) -------------------------------------------------
 
     @property
     def num_layers(self) -> int:
@@ -122,34 +132,52 @@ class LlamaForCausalLM(nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def input_embedding(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
+    @property
+    def output_embedding(self) -> torch.Tensor:
+        return self.lm_head.weight
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(tokens)
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden)
+
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head: what drafts without a head of their own (DFlash) reuse."""
-        return self.lm_head(self.model.norm(hidden))
+        return float32_logits(hidden, self.lm_head.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.final_norm(hidden))
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.config.cache_bytes_per_token(dtype)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, kv_len: int,
-                *, slots: torch.Tensor | None = None, logits_from: int = 0,
+    def static_tensors(self) -> list[torch.Tensor]:
+        return [self.inv_freq]
+
+    def init_buffers(self, device) -> None:
+        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, attn: AttentionBatch,
                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # tokens, positions: [B, T]; slots: [B] cache rows (None = rows 0..B-1, the step's case)
-        # returns logits [B, T - logits_from, V] and captured hidden [B, T, len(capture) * H] | None
+        # tokens, positions: [B, T] -> last layer output [B, T, H], captured [B, T, len(capture) * H] | None
         h = self.embed(tokens)
         cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
-        mask = causal_mask(positions, kv_len)
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, i, positions, mask, kv_len, slots)
+            h = layer(h, cos, sin, cache, i, attn)
             if i in capture:
                 captured[i] = h
         # The config's order, not layer order, defines the concatenation (fc weights depend on it).
         aux = torch.cat([captured[i] for i in capture], -1) if capture else None
-        return self.head(h[:, logits_from:]), aux
+        return h, aux
 
 
 def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -161,7 +189,7 @@ def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> d
     for i in range(cfg.num_layers):
         fuse_attention_and_mlp_keys(state, f"model.layers.{i}.")
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]  # the same tensor: one copy
     return state
 
 
@@ -169,3 +197,6 @@ def _beyond_last_layer(key: str, num_layers: int) -> bool:
     parts = key.split(".", 3)
     return (len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit()
             and int(parts[2]) >= num_layers)
+
+
+ARCHITECTURE = TargetBuilder(LlamaConfig, LlamaForCausalLM, convert_hf_state_dict)

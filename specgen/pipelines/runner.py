@@ -1,28 +1,39 @@
-"""The batch loop: continuous batching around the unified step.
+"""The batch loop: continuous batching around the unified step, with a host that never stalls the device.
 
 Contract: `Runner.run(requests, on_finish, on_progress)` pushes every request through the step and
 calls `on_finish(Completion)` exactly once per request, in finishing order, errors included (a request
-that fails never stops the others). It owns slot refill (prefill of a new request happens outside the
-compiled step), the host side of each step (ONE device->host read of `accepted`/`emitted` per step),
-stop / EOS / max_tokens handling, and per-request acceptance counters. It knows nothing of files,
-recipes or terminals: progress goes to a callback.
+that fails never stops the others). It owns:
+- admission: free slots are refilled together, in one batched prefill (pipelines/prefill.py);
+- the host side of each step: ONE device->host read per step of a `[B, K+3]` tensor (accepted, the
+  last committed token, emitted). On CUDA the loop issues step n+1 BEFORE it reads step n (through
+  a pinned buffer and an event), so the host's Python work overlaps the device; a slot that finished
+  at step n therefore runs once more, harmlessly (its results are ignored, and the device stops a
+  slot at its length limit by itself). On CPU nothing runs asynchronously, so there is no lag;
+- stop / EOS / max_tokens handling and per-request acceptance counters.
+It knows nothing of files, recipes or terminals: progress goes to a callback.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from specgen.kernels.keyed_noise import noise_key_for
+from specgen.pipelines.compiled import StepFunctions
+from specgen.pipelines.prefill import PrefillItem, pack, plan_prefill
 from specgen.pipelines.stats import SpecCounters
 from specgen.pipelines.stops import OutputTracker, StopRules
 from specgen.pipelines.unified import UnifiedStep
 from specgen.sampling import SamplingTensors
 
 MIN_KV_BUCKET = 256
+# Prefill: prompt tokens per chunk, and padded tokens per call (bounds activation memory).
+PREFILL_CHUNK = {"cpu": 512, "cuda": 2048}
+PREFILL_BUDGET = {"cpu": 4096, "cuda": 16384}
 
 
 @dataclass(slots=True)
@@ -62,6 +73,7 @@ class _Slot:
     request: Request
     tracker: OutputTracker
     counters: SpecCounters
+    first_step: int                  # the first step whose results belong to this request
 
 
 @dataclass(slots=True)
@@ -69,19 +81,54 @@ class RunTotals:
     requests: int = 0
     errors: int = 0
     output_tokens: int = 0
+    prompt_tokens: int = 0
     steps: int = 0
+    prefill_calls: int = 0
     wall_seconds: float = 0.0
+    compile_seconds: float = 0.0     # warm-up: compilation and CUDA-graph capture (inside wall_seconds)
     spec: SpecCounters = field(default_factory=lambda: SpecCounters(0))
 
     @property
     def tokens_per_second(self) -> float | None:
         return self.output_tokens / self.wall_seconds if self.wall_seconds > 0 else None
 
+    @property
+    def steady_tokens_per_second(self) -> float | None:
+        """Throughput with the warm-up left out (what a longer job tends to)."""
+        seconds = self.wall_seconds - self.compile_seconds
+        return self.output_tokens / seconds if seconds > 0 else None
+
+
+class _HostReader:
+    """Device->host reads of step outputs: through pinned buffers and events on CUDA (a ring, one
+    buffer per step in flight), a plain read on CPU."""
+
+    def __init__(self, device: torch.device, shape: tuple[int, int], depth: int) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.buffers = [torch.empty(shape, dtype=torch.long, pin_memory=True) for _ in range(depth)]
+            self.events = [torch.cuda.Event() for _ in range(depth)]
+        self.turn = 0
+
+    def start(self, out: torch.Tensor) -> Callable[[], list[list[int]]]:
+        if not self.cuda:
+            return lambda: out.tolist()
+        i = self.turn = (self.turn + 1) % len(self.buffers)
+        self.buffers[i].copy_(out, non_blocking=True)
+        self.events[i].record()
+
+        def read() -> list[list[int]]:
+            self.events[i].synchronize()
+            return self.buffers[i].tolist()
+
+        return read
+
 
 class Runner:
     def __init__(self, step: UnifiedStep, *, batch_size: int, max_seq_len: int, rules: StopRules,
                  sampling: SamplingTensors, seed: int, device: torch.device, dtype: torch.dtype,
-                 compile: bool = False) -> None:
+                 compile: bool = False, overlap: bool | None = None, prefill_chunk: int | None = None,
+                 prefill_budget: int | None = None) -> None:
         self.unified = step
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
@@ -90,47 +137,69 @@ class Runner:
         self.seed = seed
         self.device = device
         self.alloc_len = max_seq_len + step.scratch_len()
-        self.target_cache = step.target.new_cache(batch_size, self.alloc_len, dtype, device)
-        self.draft_cache = (step.draft.new_cache(batch_size, self.alloc_len, dtype, device)
-                            if step.draft is not None else None)
+        self.caches = step.new_caches(batch_size, self.alloc_len, dtype, device)
         self.state = step.new_state(batch_size, device)
+        self.lag = int(device.type == "cuda" if overlap is None else overlap)
+        kind = "cuda" if device.type == "cuda" else "cpu"
+        self.prefill_chunk = prefill_chunk or PREFILL_CHUNK[kind]
+        self.prefill_budget = max(prefill_budget or PREFILL_BUDGET[kind], self.prefill_chunk)
+        self.functions = StepFunctions(step, self.state, self.caches, sampling, device=device,
+                                       compile=compile)
+        self._compiled = self.functions.compiled
+        self.reader = _HostReader(device, (batch_size, step.k + 3), self.lag + 1)
+        self.warmed = False
+        self.step_no = 0
         self.totals = RunTotals(spec=SpecCounters(step.k))  # live: readable after an interrupt
-        self.step_fn = step.step
-        if compile:
-            import torch._inductor.config as inductor_config
 
-            # Weights never change during a run: let Inductor fold them in as constants (on CPU this
-            # also prepacks them for oneDNN, ~1.4x at batch 8).
-            inductor_config.freezing = True
-            # One compiled variant per (runner, kv bucket): several runners in one process (tests,
-            # benchmarks, library users) would otherwise hit Dynamo's default limit of 8 per function.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            mode = None
-            if device.type == "cuda":
-                # CUDA graphs replay fixed addresses: the caches the step writes must be static inputs.
-                mode = "reduce-overhead"
-                for cache in (self.target_cache, self.draft_cache):
-                    for t in (cache.k + cache.v) if cache is not None else ():
-                        torch._dynamo.mark_static_address(t)
-            self.step_fn = torch.compile(step.step, mode=mode, fullgraph=True, dynamic=False)
+    @property
+    def compiled(self) -> bool:
+        return self._compiled
 
     def kv_bucket(self, longest: int) -> int:
-        """Keys attended per step: a power of two covering every slot, so compiled variants are few."""
-        need = longest + self.unified.scratch_len()
+        """Keys the reference attention reads: a power of two covering every slot, at most the
+        allocation less one (no query that matters sits at the last scratch entry, and a bound
+        below the cache length keeps the compiled step's bound dynamic). The kernel path reads
+        per-row lengths and takes the whole allocation."""
+        if self.unified.use_kernel:
+            return self.alloc_len
+        need = longest + (self.lag + 1) * (self.unified.k + 1) + self.unified.scratch_len()
         bucket = MIN_KV_BUCKET
         while bucket < need:
             bucket *= 2
-        return min(bucket, self.alloc_len)
+        return min(bucket, self.alloc_len - 1)
+
+    def warm_up(self) -> float:
+        """Compile (and capture) everything up front; seconds spent. Idempotent."""
+        if self.warmed:
+            return 0.0
+        self.warmed = True
+        if not self.compiled:
+            return 0.0
+        # Prefill variants a run meets: one row and several rows (dynamic shapes specialise on 1).
+        items = [PrefillItem(b, [0] * 3, 0, 0) for b in range(min(2, self.batch_size))]
+        calls = [plan_prefill(items[:1], chunk=self.prefill_chunk, budget=self.prefill_budget)[0]]
+        if len(items) > 1:
+            calls.append(plan_prefill(items, chunk=self.prefill_chunk, budget=self.prefill_budget)[0])
+        batches = [pack(c, self.alloc_len, self.functions.key_index(self.kv_bucket(c.width)), self.device)
+                   for c in calls]
+        return self.functions.warm_up(self.kv_bucket(0), batches)
+
+    def close(self) -> None:
+        """Release compiled code and CUDA-graph memory (several runners in one process)."""
+        if self._compiled and self.functions is not None:
+            torch._dynamo.reset()
+        self.functions = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # -- the loop -------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def run(self, requests: Iterable[Request], on_finish: Callable[[Completion], None],
-            on_progress: Callable[[Progress], None] | None = None) -> RunTotals:
+            on_progress: Callable[[Progress], None] | None = None,
+            on_status: Callable[[str], None] | None = None) -> RunTotals:
+        """`on_status(line)` hears about the one-time warm-up (compilation) before any request."""
         totals = self.totals = RunTotals(spec=SpecCounters(self.unified.k))
-        slots: list[_Slot | None] = [None] * self.batch_size
-        lengths = [0] * self.batch_size          # host mirror of cache_lens, for the kv bucket
-        pending = iter(requests)
         start = time.perf_counter()
 
         def finish(completion: Completion) -> None:
@@ -145,62 +214,124 @@ class Runner:
                                      time.perf_counter() - start, totals.spec))
 
         try:
-            self._loop(slots, lengths, pending, finish, totals)
+            if on_status is not None and self.compiled and not self.warmed:
+                on_status("compiling the step and the prefill (once; cached on disk for later runs)")
+            totals.compile_seconds = self.warm_up()
+            if on_status is not None and totals.compile_seconds:
+                on_status(f"compiled in {totals.compile_seconds:.1f} s")
+            self._loop(iter(requests), finish, totals)
         finally:
             totals.wall_seconds = time.perf_counter() - start
         return totals
 
-    def _loop(self, slots, lengths, pending, finish, totals: RunTotals) -> None:
+    def _loop(self, pending: Iterator[Request], finish, totals: RunTotals) -> None:
+        slots: list[_Slot | None] = [None] * self.batch_size
+        lengths = [0] * self.batch_size          # host mirror of cache_lens, for the kv bucket
+        inflight: deque[tuple[int, Callable[[], list[list[int]]]]] = deque()
+        more = True
         while True:
-            for b in range(self.batch_size):
-                if slots[b] is None:
-                    slots[b] = self._admit(b, pending, finish, lengths)
+            free = [b for b in range(self.batch_size) if slots[b] is None]
+            if free and more:
+                more = self._admit(free, pending, slots, lengths, finish, totals)
             live = [b for b in range(self.batch_size) if slots[b] is not None]
-            if not live:
+            if live:
+                kv_len = self.kv_bucket(max(lengths[b] for b in live))
+                inflight.append((self.step_no, self.reader.start(self.functions.step(kv_len))))
+                self.step_no += 1
+                totals.steps += 1
+            if not inflight:
+                if more:
+                    continue              # every admitted request failed: admit the next ones
                 break
-            kv_len = self.kv_bucket(max(lengths[b] for b in live))
-            s = self.state
-            out = self.step_fn(s.pending, s.cache_lens, s.draft_probs, s.active, s.noise_key,
-                               self.sampling, self.target_cache, self.draft_cache, kv_len)
-            s.pending, s.cache_lens, s.draft_probs = self._own(out[0]), self._own(out[1]), self._own(out[2])
-            emitted, accepted = out[3], out[4]
-            host = torch.cat((accepted.unsqueeze(1), emitted), 1).cpu().tolist()  # the one sync
-            totals.steps += 1
-            for b in live:
-                slot = slots[b]
-                n_accepted = host[b][0]
-                slot.counters.record(n_accepted)
-                lengths[b] += n_accepted + 1
-                for token in host[b][1: n_accepted + 2]:
-                    if slot.tracker.add(token):
-                        finish(self._completion(slot))
-                        self._release(b, slots)
-                        break
+            if len(inflight) > self.lag or not live:
+                number, read = inflight.popleft()
+                self._absorb(number, read(), slots, lengths, finish)
 
-    def _own(self, t: torch.Tensor | None) -> torch.Tensor | None:
-        # CUDA-graph outputs live in buffers the next replay overwrites; state must not alias them.
-        return t.clone() if t is not None and t.device.type == "cuda" else t
+    def _absorb(self, number: int, rows: list[list[int]], slots: list[_Slot | None], lengths: list[int],
+                finish) -> None:
+        """Feed the results of step `number` to the requests they belong to."""
+        for b, slot in enumerate(slots):
+            if slot is None or slot.first_step > number:
+                continue                  # a free slot, or one refilled after this step was issued
+            accepted, last, emitted = rows[b][0], rows[b][1], rows[b][2:]
+            # a request's first step also brings its first token, sampled by the prefill
+            if number == slot.first_step and slot.tracker.add(last):
+                self._release(b, slots, finish)
+                continue
+            slot.counters.record(accepted)
+            lengths[b] += accepted + 1
+            for token in emitted[: accepted + 1]:
+                if slot.tracker.add(token):
+                    self._release(b, slots, finish)
+                    break
 
-    def _admit(self, b: int, pending: Iterator[Request], finish, lengths: list[int]) -> _Slot | None:
-        """Prefill the next runnable request into slot b; requests that fail are finished as errors."""
-        for request in pending:
+    def _release(self, b: int, slots: list[_Slot | None], finish) -> None:
+        finish(self._completion(slots[b]))
+        slots[b] = None
+        # The device would stop the slot only at its length limit; a stop string or EOS ends it here
+        # (queued behind any step already in flight, which then runs it once more, harmlessly).
+        self.state.active[b] = False
+
+    # -- admission ------------------------------------------------------------------------------------
+
+    def _admit(self, free: list[int], pending: Iterator[Request], slots: list[_Slot | None],
+               lengths: list[int], finish, totals: RunTotals) -> bool:
+        """Prefill the next runnable requests into the free slots; False once requests run out."""
+        admitted: list[tuple[int, Request]] = []
+        more = True
+        while len(admitted) < len(free):
+            request = next(pending, None)
+            if request is None:
+                more = False
+                break
             error = request.error or self._check_prompt(request)
-            if error is None:
-                try:
-                    slot = self._prefill(b, request)
-                except Exception as exc:  # one bad prompt never kills the batch
-                    error = f"prefill failed: {type(exc).__name__}: {exc}"
-                    self.state.active[b] = False
             if error is not None:
                 finish(Completion(request.id, [], "", "error", len(request.prompt_ids), None, error))
                 continue
-            lengths[b] = len(request.prompt_ids)
-            if slot.tracker.finish_reason is not None:      # finished by its first token
-                finish(self._completion(slot))
-                self.state.active[b] = False
+            admitted.append((free[len(admitted)], request))
+        if not admitted:
+            return more
+        failed = self._prefill(admitted)
+        for b, request in admitted:
+            if b in failed:
+                finish(Completion(request.id, [], "", "error", len(request.prompt_ids), None, failed[b]))
                 continue
-            return slot
-        return None
+            slots[b] = _Slot(request, OutputTracker(self.rules, self._max_tokens(request)),
+                             SpecCounters(self.unified.k), first_step=self.step_no)
+            lengths[b] = len(request.prompt_ids)
+            totals.prompt_tokens += len(request.prompt_ids)
+        return more
+
+    def _prefill(self, admitted: list[tuple[int, Request]]) -> dict[int, str]:
+        """Run the batched prefill; on a failure, retry each request alone so that only the bad one
+        fails. Returns {slot: error} for the requests that could not be prefilled."""
+        items = {b: PrefillItem(b, r.prompt_ids, self.noise_key(r), len(r.prompt_ids) + self._max_tokens(r) - 1)
+                 for b, r in admitted}
+        try:
+            self._prefill_items(list(items.values()))
+            return {}
+        except Exception as exc:  # one bad prompt never kills the batch: find it
+            if len(items) == 1:
+                failures = {next(iter(items)): exc}
+            else:
+                failures = {}
+                for b, item in items.items():
+                    try:
+                        self._prefill_items([item])
+                    except Exception as exc_alone:
+                        failures[b] = exc_alone
+        for b in failures:
+            self.state.active[b] = False
+        return {b: f"prefill failed: {type(e).__name__}: {e}" for b, e in failures.items()}
+
+    def _prefill_items(self, items: list[PrefillItem]) -> None:
+        for call in plan_prefill(items, chunk=self.prefill_chunk, budget=self.prefill_budget):
+            key_index = self.functions.key_index(self.kv_bucket(call.start + call.width))
+            self.functions.prefill(pack(call, self.alloc_len, key_index, self.device))
+            self.totals.prefill_calls += 1
+
+    def _max_tokens(self, request: Request) -> int:
+        return min(request.max_tokens, self.max_seq_len - len(request.prompt_ids))
 
     def _check_prompt(self, request: Request) -> str | None:
         if not request.prompt_ids:
@@ -210,23 +341,8 @@ class Runner:
                     f"({self.max_seq_len}) leaves no room to generate")
         return None
 
-    def _prefill(self, b: int, request: Request) -> _Slot:
-        room = self.max_seq_len - len(request.prompt_ids)
-        tracker = OutputTracker(self.rules, max_tokens=min(request.max_tokens, room))
-        slot = _Slot(request, tracker, SpecCounters(self.unified.k))
-        prompt = torch.tensor(request.prompt_ids, dtype=torch.long)
-        kv_len = self.kv_bucket(len(request.prompt_ids))
-        first = self.unified.prefill_slot(self.state, b, prompt, self.noise_key(request),
-                                          self.sampling, self.target_cache, self.draft_cache, kv_len)
-        tracker.add(first)
-        return slot
-
     def noise_key(self, request: Request) -> int:
         return noise_key_for(self.seed, request.request_key)
-
-    def _release(self, b: int, slots: list[_Slot | None]) -> None:
-        slots[b] = None
-        self.state.active[b] = False
 
     def _completion(self, slot: _Slot) -> Completion:
         t = slot.tracker

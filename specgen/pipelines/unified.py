@@ -1,17 +1,26 @@
-"""THE STEP: merge -> target -> verify -> commit -> draft, one function with static shapes.
+"""THE STEP: merge -> target -> verify -> commit -> draft, one function with static shapes; and prefill.
 
-Contract (DESIGN.md section 3). Device state, all static in shape, `B` slots, `K` drafts per step:
+Contract (DESIGN.md section 3). Device state lives in one `StepState` (all static in shape, `B` slots,
+`K` drafts per step) and the caches in `StepCaches`:
 - `pending [B, K+1]`: the last committed token (its K/V not yet written) then the K drafts;
 - `cache_lens [B]`: tokens whose K/V are in the caches; pending token i sits at `cache_lens + i`;
-- `draft_probs [B, K, V] | None`: the draft distributions of `pending[:, 1:]` (stochastic drafts only);
-- the target's and the draft's KV caches (mutated in place; entries past `cache_lens` are scratch).
+- `active [B]`: slots that advance; a slot stops by itself once `cache_lens >= limit` (its
+  max_tokens), so a step issued before the host has seen a finish can never run past the allocation;
+- `limit [B]`, `noise_key [B]`, and `draft_probs [B, K, V] | None` (stochastic drafts only).
 
-`step(...)` returns the next `pending`, `cache_lens`, `draft_probs`, and `emitted [B, K+1]` (accepted
-drafts then the correction / bonus token, padded with -1) and `accepted [B]`, the only two tensors the
-host reads. Inactive slots run along (static shapes) but never advance. Plain decoding is the same
-step with K = 0 and no draft. Prefill of a new request (`prefill_slot`) runs outside the step: it
-writes the prompt's K/V, samples the first token with the same keyed sampler, and drafts the first
-block, leaving the slot exactly as a step would have.
+`step(state, caches, sampling, key_index)` advances every active slot by one verified block, updates
+`state` IN PLACE (fixed addresses: CUDA graphs replay them) and returns one int64 tensor
+`[B, K+3]` = (accepted, the last committed token the step started from, emitted[K+1]), the only thing
+the host reads. `emitted` holds the accepted drafts then the correction / bonus token, padded with -1.
+Inactive slots run along (static shapes), compute at positions 0..K of their own rows (scratch), and
+never advance. Plain decoding is the same step with K = 0 and no draft.
+
+`prefill(state, caches, batch, sampling)` writes the prompts of several slots at once (a
+`PrefillBatch`: padded rows, per-row positions, possibly one chunk of a longer prompt); for rows whose
+prompt ends in this chunk it samples the first token with the same keyed sampler, drafts the first
+block and activates the slot, leaving it exactly as a step would have. It returns nothing: the first
+token reaches the host as the "last committed token" of the slot's first step, so prefill adds no
+device->host read.
 
 Noise positions: logits row i predicts the token at `cache_lens + i + 1`; that absolute position keys
 its randomness, so the token sampled there never depends on the batch, the draft, or call order.
@@ -23,47 +32,83 @@ from dataclasses import dataclass
 
 import torch
 
+from specgen.models.attention import AttentionBatch
 from specgen.pipelines.verify import verify
 from specgen.sampling import SamplingTensors, process_logits, sample_draft
 
 
 @dataclass(slots=True)
 class StepState:
-    pending: torch.Tensor           # [B, K+1] int64
-    cache_lens: torch.Tensor        # [B] int64
+    pending: torch.Tensor             # [B, K+1] int64
+    cache_lens: torch.Tensor          # [B] int64
+    active: torch.Tensor              # [B] bool
+    limit: torch.Tensor               # [B] int64: the slot stops once cache_lens >= limit
+    noise_key: torch.Tensor           # [B] int64
     draft_probs: torch.Tensor | None  # [B, K, V] float32, stochastic drafts only
-    active: torch.Tensor            # [B] bool
-    noise_key: torch.Tensor         # [B] int64
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.pending, self.cache_lens, self.active, self.limit, self.noise_key,
+                            self.draft_probs) if t is not None]
+
+
+@dataclass(slots=True)
+class StepCaches:
+    target: object                    # the target's Cache
+    draft: object | None              # the draft's Cache (None without a draft)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.target.tensors(), *(self.draft.tensors() if self.draft is not None else ())]
+
+
+@dataclass(slots=True)
+class PrefillBatch:
+    """n rows of one prefill call, padded to T. Built on the host (pipelines/prefill.py)."""
+
+    rows: torch.Tensor          # [n] int64 slots
+    tokens: torch.Tensor        # [n, T] int64 prompt tokens of this chunk (0 = padding)
+    positions: torch.Tensor     # [n, T] int64 absolute positions
+    next_tokens: torch.Tensor   # [n, T] int64 token at position + 1 (its last prompt entry: filled here)
+    last_index: torch.Tensor    # [n] int64 index of the chunk's last real token
+    is_last: torch.Tensor       # [n] bool: the prompt ends in this chunk
+    noise_key: torch.Tensor     # [n] int64
+    limit: torch.Tensor         # [n] int64
+    key_index: torch.Tensor     # [kv_len] arange (reference attention's key bound)
 
 
 class UnifiedStep:
-    """Binds a target and an optional draft into the step and the slot prefill."""
+    """Binds a target and an optional draft into the step and the batched prefill."""
 
-    def __init__(self, target, draft=None, *, stochastic_drafts: bool = False) -> None:
+    def __init__(self, target, draft=None, *, stochastic_drafts: bool = False, use_kernel: bool = False,
+                 num_sms: int = 1) -> None:
         self.target = target
         self.draft = draft
         self.k = draft.num_speculative_tokens if draft is not None else 0
         self.stochastic = stochastic_drafts and draft is not None
         self.capture = tuple(draft.aux_layer_ids) if draft is not None else ()
+        self.use_kernel = use_kernel      # the Triton attention kernel (CUDA) or the SDPA reference
+        self.num_sms = num_sms
 
     # -- state -------------------------------------------------------------------------------------
 
     def new_state(self, slots: int, device) -> StepState:
         probs = (torch.zeros(slots, self.k, self.target.vocab_size, device=device)
                  if self.stochastic else None)
-        return StepState(
-            pending=torch.zeros(slots, self.k + 1, dtype=torch.long, device=device),
-            cache_lens=torch.zeros(slots, dtype=torch.long, device=device),
-            draft_probs=probs,
-            active=torch.zeros(slots, dtype=torch.bool, device=device),
-            noise_key=torch.zeros(slots, dtype=torch.long, device=device),
-        )
+        zeros = torch.zeros(slots, dtype=torch.long, device=device)
+        return StepState(pending=torch.zeros(slots, self.k + 1, dtype=torch.long, device=device),
+                         cache_lens=zeros.clone(), active=torch.zeros(slots, dtype=torch.bool, device=device),
+                         limit=zeros.clone(), noise_key=zeros.clone(), draft_probs=probs)
+
+    def new_caches(self, slots: int, max_len: int, dtype: torch.dtype, device) -> StepCaches:
+        draft = self.draft.new_cache(slots, max_len, dtype, device) if self.draft is not None else None
+        return StepCaches(self.target.new_cache(slots, max_len, dtype, device), draft)
 
     def scratch_len(self) -> int:
         """Cache entries past the last committed token a step may write (target K+1, draft chain)."""
         return 2 * self.k + 2
 
-    # -- the step ------------------------------------------------------------------------------------
+    def attention(self, positions: torch.Tensor, rows: torch.Tensor | None,
+                  key_index: torch.Tensor) -> AttentionBatch:
+        return AttentionBatch.build(positions, rows, key_index, self.use_kernel, self.num_sms)
 
     def _pick(self, sampling: SamplingTensors, noise_key: torch.Tensor):
         if not self.stochastic:
@@ -76,59 +121,67 @@ class UnifiedStep:
 
         return pick
 
-    def step(self, pending, cache_lens, draft_probs, active, noise_key, sampling: SamplingTensors,
-             target_cache, draft_cache, kv_len: int):
-        # pending: [B, K+1]; cache_lens, active, noise_key: [B]; draft_probs: [B, K, V] | None
-        k = self.k
-        offsets = torch.arange(k + 1, device=pending.device)
-        positions = cache_lens.unsqueeze(1) + offsets                        # [B, K+1]
+    # -- the step ------------------------------------------------------------------------------------
+
+    def step(self, state: StepState, caches: StepCaches, sampling: SamplingTensors,
+             key_index: torch.Tensor) -> torch.Tensor:
+        # state: B slots; key_index: [kv_len] -> [B, K+3] int64 (accepted, last, emitted[K+1])
+        k, active = self.k, state.active
+        offsets = torch.arange(k + 1, device=active.device)
+        positions = torch.where(active, state.cache_lens, 0).unsqueeze(1) + offsets     # [B, K+1]
+        attn = self.attention(positions, None, key_index)
         # merge + target: one forward over the last token and the drafts of every slot
-        logits, aux = self.target(pending, positions, target_cache, kv_len, capture=self.capture)
+        hidden, aux = self.target(state.pending, positions, caches.target, attn, capture=self.capture)
+        logprobs = process_logits(self.target.logits(hidden), sampling)
         # verify: the one lossless rule for every draft type
-        logprobs = process_logits(logits, sampling)
-        accepted, emitted = verify(logprobs, pending[:, 1:], draft_probs, sampling.greedy, noise_key,
-                                   positions + 1, all_greedy=sampling.all_greedy)
+        accepted, emitted = verify(logprobs, state.pending[:, 1:], state.draft_probs, sampling.greedy,
+                                   state.noise_key, positions + 1, all_greedy=sampling.all_greedy)
+        out = torch.cat((accepted.unsqueeze(1), state.pending[:, :1], emitted), 1)
         # commit: rejected positions need no undo, their K/V lie past the new length
-        new_lens = cache_lens + (accepted + 1) * active
-        last = emitted.gather(1, accepted.unsqueeze(1))                      # [B, 1]
-        if self.draft is None:
-            return last, new_lens, None, emitted, accepted
-        # draft: entry j pairs the feature of position p_j with the token at p_j + 1
-        next_tokens = emitted.clamp(min=0)
-        drafts, probs = self.draft.propose(aux, next_tokens, positions, accepted, draft_cache, kv_len,
-                                           self._pick(sampling, noise_key))
-        return torch.cat((last, drafts), 1), new_lens, probs, emitted, accepted
-
-    # -- prefill (outside the compiled step) ---------------------------------------------------------
-
-    def prefill_slot(self, state: StepState, slot: int, prompt: torch.Tensor, noise_key: int,
-                     sampling: SamplingTensors, target_cache, draft_cache, kv_len: int) -> int:
-        """Write `prompt [P]` into `slot`, sample its first token, draft its first block; returns the
-        first token (read by the host: this is the one sync of the prefill)."""
-        device = state.pending.device
-        rows = torch.tensor([slot], device=device)
-        tokens = prompt.view(1, -1).to(device)
-        length = tokens.shape[1]
-        positions = torch.arange(length, device=device).unsqueeze(0)
-        row_sampling = sampling.select(rows)
-        key = torch.tensor([noise_key], dtype=torch.long, device=device)
-        logits, aux = self.target(tokens, positions, target_cache, kv_len, slots=rows,
-                                  logits_from=length - 1, capture=self.capture)
-        logprobs = process_logits(logits, row_sampling)
-        _, emitted = verify(logprobs, tokens[:, :0], None, row_sampling.greedy, key,
-                            torch.tensor([[length]], device=device), all_greedy=sampling.all_greedy)
-        first = emitted[:, :1]                                              # [1, 1]
-        pending = first
+        new_lens = state.cache_lens + (accepted + 1) * active
+        pending = emitted.gather(1, accepted.unsqueeze(1))                              # [B, 1]
         if self.draft is not None:
-            next_tokens = torch.cat((tokens[:, 1:], first), 1)
-            last_index = torch.tensor([length - 1], device=device)
-            drafts, probs = self.draft.propose(aux, next_tokens, positions, last_index, draft_cache,
-                                               kv_len, self._pick(row_sampling, key), slots=rows)
-            pending = torch.cat((first, drafts), 1)
+            # draft: entry j pairs the feature of position p_j with the token at p_j + 1
+            drafts, probs = self.draft.propose(aux, emitted.clamp(min=0), positions, accepted,
+                                               caches.draft, attn, self._pick(sampling, state.noise_key))
+            pending = torch.cat((pending, drafts), 1)
             if probs is not None:
-                state.draft_probs[slot] = probs[0]
-        state.pending[slot] = pending[0]
-        state.cache_lens[slot] = length
-        state.noise_key[slot] = noise_key
-        state.active[slot] = True
-        return int(first)
+                state.draft_probs.copy_(probs)
+        state.pending.copy_(pending)
+        state.cache_lens.copy_(new_lens)
+        state.active.copy_(active & (new_lens < state.limit))
+        return out
+
+    # -- prefill -------------------------------------------------------------------------------------
+
+    def prefill(self, state: StepState, caches: StepCaches, batch: PrefillBatch,
+                sampling: SamplingTensors) -> None:
+        # batch: n rows of T tokens; updates the rows' state in place (only rows with is_last finish)
+        rows, last = batch.rows, batch.last_index
+        n = rows.shape[0]
+        index = torch.arange(n, device=rows.device)
+        attn = self.attention(batch.positions, rows, batch.key_index)
+        hidden, aux = self.target(batch.tokens, batch.positions, caches.target, attn, capture=self.capture)
+        row_sampling = sampling.select(rows)
+        length = batch.positions[index, last] + 1                                       # [n]
+        logprobs = process_logits(self.target.logits(hidden[index, last].unsqueeze(1)), row_sampling)
+        _, emitted = verify(logprobs, batch.tokens[:, :0], None, row_sampling.greedy, batch.noise_key,
+                            length.unsqueeze(1), all_greedy=sampling.all_greedy)
+        first = emitted[:, :1]                                                          # [n, 1]
+        pending, probs = first, None
+        if self.draft is not None:
+            # the entry of the chunk's last token pairs it with the token after it: the next prompt
+            # token for a chunk that ends mid-prompt, the sampled first token otherwise
+            after = torch.where(batch.is_last, first[:, 0], batch.next_tokens[index, last])
+            next_tokens = batch.next_tokens.scatter(1, last.unsqueeze(1), after.unsqueeze(1))
+            drafts, probs = self.draft.propose(aux, next_tokens, batch.positions, last, caches.draft,
+                                               attn, self._pick(row_sampling, batch.noise_key))
+            pending = torch.cat((first, drafts), 1)
+        done = batch.is_last
+        state.pending[rows] = torch.where(done.unsqueeze(1), pending, state.pending[rows])
+        state.cache_lens[rows] = torch.where(done, length, state.cache_lens[rows])
+        state.limit[rows] = batch.limit
+        state.noise_key[rows] = batch.noise_key
+        state.active[rows] = done & (length < batch.limit)
+        if probs is not None:
+            state.draft_probs[rows] = torch.where(done[:, None, None], probs, state.draft_probs[rows])

@@ -5,7 +5,8 @@ tokens, optionally the draft distributions, and returns `accepted [B]` and `emit
 (one-hot "sample and match" for greedy rows and argmax / unknown-q drafts, full rejection sampling when
 q is given) and the noise definition are documented in `specgen.kernels.rejection` and
 `specgen.kernels.keyed_noise`; this module only picks the implementation:
-- the Triton kernel on CUDA when triton is importable;
+- the Triton kernel on CUDA when triton is importable, as the custom op `specgen::verify` (opaque to
+  torch.compile, captured by CUDA graphs);
 - the vectorised PyTorch reference otherwise.
 `force_kernel=True` runs the kernel anywhere (on CPU it needs TRITON_INTERPRET=1 in the environment
 before the kernel is first used); `force_kernel=False` always runs the reference. Both give identical
@@ -50,7 +51,7 @@ def verify(
         use_kernel = force_kernel
     if use_kernel:
         # slices such as logprobs[:, :1] (K = 0) are views; the kernel wants dense rows (no-op if dense)
-        return rejection.verify_triton(
+        return rejection.verify_op(
             logprobs.contiguous(),
             draft_tokens.contiguous(),
             draft_probs.contiguous() if draft_probs is not None else None,

@@ -1,0 +1,76 @@
+"""Targets and drafts from checkpoints: the only place that opens weight files for a model.
+
+Contract:
+- `target_config(config, where)` reads an HF config into the architecture's config object (the
+  architecture comes from `specgen.registry`); a config we cannot read is a `CheckpointError`.
+- `load_target(config, folder, dtype=, device=, dummy=)` returns a `Target` (models/protocol.py) in
+  eval mode on `device`: weights read straight to the device in the run's dtype, or random weights
+  built there directly (`dummy`).
+- `load_draft(method, config, folder, target, ...)` reads the draft's tensors (those under the
+  method's weight prefix; none when dummy) and hands them to the method's builder: drafts receive
+  tensors and never open files.
+- `has_draft_layers(method, folder, config)`: whether a checkpoint carries a method's layers (MTP
+  layers inside a target checkpoint), from the file headers alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specgen.checkpoints.store import CheckpointError, weight_files
+from specgen.checkpoints.weights import read_tensors, tensor_names
+from specgen.models.materialise import build
+from specgen.registry import DRAFT_METHODS, UnsupportedError, target_architecture
+
+
+def target_builder(config: dict, where: str = "config.json"):
+    try:
+        return target_architecture(config, where).builder()
+    except UnsupportedError as err:
+        raise CheckpointError(str(err)) from err
+
+
+def target_config(config: dict, where: str = "config.json"):
+    try:
+        return target_builder(config, where).config_cls.from_hf(config)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{where}: cannot read the model config: {err!r}") from err
+
+
+def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device, dummy: bool,
+                seed: int = 0):
+    where = str(folder / "config.json") if folder else "config.json"
+    builder = target_builder(config, where)
+    cfg = target_config(config, where)
+    state = None
+    if not dummy:
+        state = builder.convert_state_dict(
+            read_tensors(weight_files(folder), device=device, dtype=dtype), cfg)
+    model = build(lambda: builder.model_cls(cfg), state, dtype=dtype, device=device, seed=seed,
+                  where=str(folder))
+    return model.eval().requires_grad_(False)
+
+
+def load_draft(method: str, config: dict, folder: Path | None, target, *,
+               num_speculative_tokens: int | None, dtype: torch.dtype, device, dummy: bool,
+               seed: int = 0):
+    builder = DRAFT_METHODS[method].builder()
+    state = None
+    if not dummy:
+        prefix = builder.weight_prefix(config)
+        state = read_tensors(weight_files(Path(folder)), prefix=prefix, strip_prefix=True, device=device,
+                             dtype=dtype)
+        if not state:
+            raise CheckpointError(f"{folder}: no {method.upper()} weights (no tensors under {prefix or 'the root'}*)")
+    draft = builder.build(config, state, target, num_speculative_tokens=num_speculative_tokens,
+                          dtype=dtype, device=device, seed=seed, where=str(folder) if folder else "draft")
+    return draft.eval().requires_grad_(False)
+
+
+def has_draft_layers(method: str, folder: Path | None, config: dict) -> bool:
+    if folder is None:
+        return False
+    prefix = DRAFT_METHODS[method].builder().weight_prefix(config)
+    return any(name.startswith(prefix) for name in tensor_names(Path(folder)))

@@ -1,0 +1,211 @@
+"""Attention of new queries over a static KV cache with per-row lengths: Triton kernel, wrapper, reference.
+
+Contract. Inputs, for B rows of T new queries each (their own K/V already written to the cache):
+  q          [B, T, Hq, D]         any strides with a contiguous last dim
+  k_cache    [S, Hkv, L, D]        the layer's cache (S slots, L positions); v_cache alike
+  rows       [B] int64             cache slot of each row
+  positions  [B, T] int64          absolute position of each query, non-decreasing along T
+Output [B, T, Hq, D] (q's dtype): query (b, t, h) attends, causally, to the keys of slot rows[b] at
+positions 0 .. positions[b, t] of KV head h // (Hq / Hkv), softmax(q.k * scale) weighted values.
+
+Why a kernel (GPU_NOTES 3): SDPA with a boolean mask and GQA falls back to the math kernel on CUDA,
+repeats K/V per query head, and makes every row pay for the longest row's bucket. This kernel reads
+each KV head once for all the query heads of its group (GQA packed into the tile's rows with the T
+queries), stops at each row's own length, and splits long rows over several programs (split-K, as
+flash-decoding does) whose partial results are merged by their log-sum-exp.
+
+`attention_reference` is the same contract in PyTorch (SDPA over the first `kv_len` cache positions
+with a causal mask), the CPU path and the test oracle. `cached_attention` is the kernel registered as
+the opaque custom op `specgen::cached_attention`, so torch.compile and CUDA graphs call it as one
+extern node (Inductor never re-emits its source).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import keyed_noise as kn
+from .keyed_noise import tl, triton
+
+# ---------------------------------------------------------------------------------------------------
+# PyTorch reference
+# ---------------------------------------------------------------------------------------------------
+
+
+def causal_mask(positions: torch.Tensor, key_index: torch.Tensor) -> torch.Tensor:
+    # positions: [B, T]; key_index: [kv_len] (arange) -> [B, 1, T, kv_len] bool, key <= query position
+    return key_index.view(1, 1, 1, -1) <= positions.view(positions.shape[0], 1, -1, 1)
+
+
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        rows: torch.Tensor | None, mask: torch.Tensor,
+                        scale: float | None = None) -> torch.Tensor:
+    """SDPA over the first kv_len positions of the cache (kv_len = mask.shape[-1])."""
+    # q: [B, T, Hq, D]; caches: [S, Hkv, L, D]; rows: [B] | None (= slots 0..B-1); mask: [B, 1, T, kv]
+    kv_len = mask.shape[-1]
+    keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+    if rows is not None:
+        keys, values = keys[rows], values[rows]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
+                                         attn_mask=mask, scale=scale,
+                                         enable_gqa=q.shape[2] != k_cache.shape[1])
+    return out.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton kernel (a plain function, jitted on first use: see keyed_noise's docstring for why)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, o_ptr, lse_ptr,
+    sq_b, sq_t, sq_h,            # q strides (the last one is 1)
+    sk_s, sk_h, sk_l,            # k and v cache strides (shared; the last one is 1)
+    so_b, so_t, so_h, so_s,      # partial outputs [B, T, Hq, SPLITS, D] (contiguous)
+    T, D, scale,
+    GROUP: tl.constexpr,         # query heads per KV head
+    KV_HEADS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr,          # fp32 inputs: exact products (no tf32)
+):
+    # program (b * KV_HEADS + kv head, query tile, split); tile rows are (t, g) pairs: m = t * GROUP + g
+    pid = tl.program_id(0)
+    b = (pid // KV_HEADS).to(tl.int64)
+    kvh = pid % KV_HEADS
+    split = tl.program_id(2)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    valid_m = t < T
+    offs_d = tl.arange(0, BLOCK_D)
+    valid_d = offs_d < D
+    q = tl.load(q_ptr + b * sq_b + t[:, None] * sq_t + head[:, None] * sq_h + offs_d[None, :],
+                mask=valid_m[:, None] & valid_d[None, :], other=0.0)
+    pos = tl.load(pos_ptr + b * T + t, mask=valid_m, other=-1)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    # Splits partition the row's whole key range [0, last position + 1) in BLOCK_N-aligned chunks;
+    # this tile stops earlier at its own last query's position.
+    row_len = tl.load(pos_ptr + b * T + T - 1) + 1
+    chunk = tl.cdiv(tl.cdiv(row_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, tl.max(pos, axis=0) + 1)
+    k_base = k_ptr + row * sk_s + kvh * sk_h
+    v_base = v_ptr + row * sk_s + kvh * sk_h
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < end
+        kv_mask = valid_n[:, None] & valid_d[None, :]
+        k = tl.load(k_base + offs_n[:, None] * sk_l + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where((offs_n[None, :] <= pos[:, None]) & valid_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row that has seen no visible key yet keeps m = -inf; shift by 0 there to avoid inf - inf
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(s - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + offs_n[:, None] * sk_l + offs_d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    seen = l_i > 0
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_offs = b * so_b + t[:, None] * so_t + head[:, None] * so_h + split * so_s + offs_d[None, :]
+    tl.store(o_ptr + o_offs, out, mask=valid_m[:, None] & valid_d[None, :])
+    # lse: [B, T, Hq, SPLITS], contiguous
+    tl.store(lse_ptr + ((b * T + t) * (KV_HEADS * GROUP) + head) * SPLITS + split, lse, mask=valid_m)
+
+
+_jitted = False
+
+
+def jit_kernels() -> None:
+    global _jitted, _attention_kernel
+    if _jitted:
+        return
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _attention_kernel = triton.jit(_attention_kernel)
+    _jitted = True
+
+
+if kn.should_jit_at_import():
+    jit_kernels()
+
+
+BLOCK_M = 64   # tile rows: (query, head-of-group) pairs
+BLOCK_N = 64   # keys per inner iteration
+
+
+def query_tiles(queries: int, group: int, block_m: int = BLOCK_M) -> int:
+    return -(-queries * group // block_m)
+
+
+def choose_splits(batch: int, kv_heads: int, tiles: int, max_len: int, num_sms: int) -> int:
+    """Enough programs to fill the device twice over, never splits shorter than 256 keys."""
+    programs = batch * kv_heads * tiles
+    want = math.ceil(2 * num_sms / max(programs, 1))
+    return max(1, min(want, 16, max_len // 256))
+
+
+def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                     positions: torch.Tensor, scale: float, splits: int = 1,
+                     block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> torch.Tensor:
+    """Guarded launch of `_attention_kernel` (+ the log-sum-exp merge of the splits)."""
+    # q: [B, T, Hq, D]; caches: [S, Hkv, L, D]; rows: [B]; positions: [B, T]
+    if not _jitted:
+        jit_kernels()
+    B, T, Hq, D = q.shape
+    S, Hkv, L, Dk = k_cache.shape
+    assert Dk == D and v_cache.shape == k_cache.shape, "k/v caches must be [S, Hkv, L, D] like q's D"
+    assert Hq % Hkv == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(-1) == 1 and k_cache.stride(-1) == 1, "the head dimension must be contiguous"
+    assert v_cache.stride() == k_cache.stride(), "k and v caches must share strides"
+    assert k_cache.dtype == v_cache.dtype == q.dtype, "q and the caches must share a dtype"
+    assert rows.shape == (B,) and positions.shape == (B, T), "rows: [B], positions: [B, T]"
+    assert rows.dtype == torch.int64 and positions.dtype == torch.int64
+    assert positions.is_contiguous() and rows.is_contiguous()
+    assert all(t.device == q.device for t in (k_cache, v_cache, rows, positions))
+    group = Hq // Hkv
+    tiles = query_tiles(T, group, block_m)
+    part = torch.empty(B, T, Hq, splits, D, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, T, Hq, splits, dtype=torch.float32, device=q.device)
+    if B * T == 0:
+        return q.new_empty(q.shape)
+    _attention_kernel[(B * Hkv, tiles, splits)](
+        q, k_cache, v_cache, rows, positions, part, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+        T, D, float(scale),
+        GROUP=group, KV_HEADS=Hkv, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), IEEE=q.dtype == torch.float32,
+    )
+    if splits == 1:
+        return part[:, :, :, 0].to(q.dtype)
+    weight = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp(lse)); empty splits have lse = -inf
+    return (part * weight.unsqueeze(-1)).sum(dim=3).to(q.dtype)
+
+
+@torch.library.custom_op("specgen::cached_attention", mutates_args=())
+def cached_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                     positions: torch.Tensor, scale: float, splits: int) -> torch.Tensor:
+    return attention_triton(q, k_cache, v_cache, rows, positions, scale, splits)
+
+
+@cached_attention.register_fake
+def _(q, k_cache, v_cache, rows, positions, scale, splits):
+    return q.new_empty(q.shape)

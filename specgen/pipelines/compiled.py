@@ -1,0 +1,115 @@
+"""How the runner calls the step and the prefill: eagerly, or compiled (torch.compile; CUDA graphs).
+
+Contract: `StepFunctions(unified, state, caches, sampling, device=, compile=)` exposes `step(kv_len)`
+and `prefill(batch)` bound to the runner's state, plus `key_index(kv_len)` and `warm_up()`, which
+compiles (and on CUDA captures) every variant a run will need before the first request, so no
+compilation ever happens mid-run; it returns the seconds that took.
+
+Variants are few by construction:
+- the step is compiled once (`fullgraph`, static shapes) with the attended key count as a DYNAMIC
+  size (`key_index`, an arange whose length is the bound): one graph serves every length bucket.
+  On CUDA the attention kernel reads per-row lengths, the bound is the allocation, and the step is
+  one CUDA graph (`mode="reduce-overhead"`, state and caches at static addresses);
+- the prefill is compiled with dynamic shapes (rows and padded length), without CUDA graphs, where
+  it pays (CUDA); on CPU its large GEMMs gain little from Inductor and it stays eager.
+Inductor's on-disk caches live under the directory the caller gives (`$SPECGEN_CACHE/inductor`), so
+a second run of the same recipe reuses the compiled code instead of recompiling it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep
+from specgen.sampling import SamplingTensors
+
+
+def use_compile_cache(directory: Path) -> None:
+    """Point Inductor's (and Triton's) on-disk caches at `directory` unless the user already chose."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory / "inductor"))
+    os.environ.setdefault("TRITON_CACHE_DIR", str(directory / "triton"))
+
+
+class StepFunctions:
+    def __init__(self, unified: UnifiedStep, state: StepState, caches: StepCaches,
+                 sampling: SamplingTensors, *, device: torch.device, compile: bool,
+                 compile_prefill: bool | None = None) -> None:
+        self.unified, self.state, self.caches, self.sampling = unified, state, caches, sampling
+        self.device = device
+        self.compiled = bool(compile)
+        self.cuda_graphs = self.compiled and device.type == "cuda"
+        self._key_index: dict[int, torch.Tensor] = {}
+        self._step = unified.step
+        self._prefill = unified.prefill
+        self.prefill_compiled = False
+        if not self.compiled:
+            return
+        import torch._inductor.config as inductor_config
+
+        # Weights never change during a run: Inductor folds them in as constants (on CPU this also
+        # prepacks them for oneDNN, ~1.4x at batch 8).
+        inductor_config.freezing = True
+        # Several runners in one process (tests, benchmarks, library users) share the step's code
+        # object; each adds its own variants.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        mode = None
+        if self.cuda_graphs:
+            # CUDA graphs replay fixed addresses: everything the step reads or writes in place.
+            mode = "reduce-overhead"
+            for t in (*state.tensors(), *caches.tensors(), *unified.target.static_tensors(),
+                      *_sampling_tensors(sampling)):
+                torch._dynamo.mark_static_address(t)
+        self._step = torch.compile(unified.step, mode=mode, fullgraph=True, dynamic=False)
+        self.prefill_compiled = compile_prefill if compile_prefill is not None else device.type == "cuda"
+        if self.prefill_compiled:
+            self._prefill = torch.compile(unified.prefill, fullgraph=True, dynamic=True)
+
+    def key_index(self, kv_len: int) -> torch.Tensor:
+        """The arange whose length bounds the keys the reference attention reads (one per bucket)."""
+        index = self._key_index.get(kv_len)
+        if index is None:
+            index = self._key_index[kv_len] = torch.arange(kv_len, device=self.device)
+            # dynamic: one compiled step for every bucket (the kernel path has one bound). CUDA graphs
+            # still record one graph per bucket (without the kernel only), during the warm-up and
+            # then at the first step of each longer bucket.
+            if self.compiled and not self.unified.use_kernel:
+                # below the cache length: a slice as long as the cache would be specialised away
+                torch._dynamo.mark_dynamic(index, 0, min=2, max=self.caches.target.max_len - 1)
+        return index
+
+    def step(self, kv_len: int) -> torch.Tensor:
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._step(self.state, self.caches, self.sampling, self.key_index(kv_len))
+
+    def prefill(self, batch: PrefillBatch) -> None:
+        if self.prefill_compiled:
+            for t in (batch.rows, batch.tokens, batch.positions, batch.next_tokens, batch.last_index,
+                      batch.is_last, batch.noise_key, batch.limit):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            for t in (batch.tokens, batch.positions, batch.next_tokens):
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+        self._prefill(self.state, self.caches, batch, self.sampling)
+
+    def warm_up(self, kv_len: int, prefill_batches: list[PrefillBatch]) -> float:
+        """Compile / capture everything before the run (all slots inactive: nothing advances)."""
+        if not self.compiled:
+            return 0.0
+        start = time.perf_counter()
+        for batch in prefill_batches:
+            self.prefill(batch)
+        self.state.active.zero_()
+        # CUDA graphs: the first calls run eagerly, the next records; then replays.
+        for _ in range(3 if self.cuda_graphs else 1):
+            self.step(kv_len)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+
+def _sampling_tensors(sampling: SamplingTensors) -> list[torch.Tensor]:
+    return [sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.greedy]

@@ -1,0 +1,87 @@
+"""The one table of what specgen runs: target architectures and draft methods, and which pair.
+
+Contract: this module is declarative and imports nothing heavy (no torch), so the recipe schema can
+read it before any model code loads. Each entry names the module that implements it; `builder()`
+imports that module on first use and returns its builder object:
+- a target module defines `ARCHITECTURE` (a `models.protocol.TargetBuilder`: config class, model
+  class, weight adapter);
+- a draft module defines `METHOD` (a `drafts.base.DraftBuilder`: config class, build function,
+  dummy config, where its tensors sit in a checkpoint).
+Readers: `recipe.py` (method names, which methods pick K themselves, which may live inside the
+target), `models/loading.py` and `checkpoints/` (builders), `job.py` (pairings, dummy configs).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DraftMethod:
+    name: str
+    module: str
+    k_from_draft: bool = False       # the draft's config decides the default K (DFlash: block_size - 1)
+    lives_in_target: bool = False    # its layer may sit inside the target checkpoint (MTP)
+
+    def builder(self):
+        return importlib.import_module(self.module).METHOD
+
+
+@dataclass(frozen=True, slots=True)
+class TargetArchitecture:
+    name: str                        # HF `architectures[0]`
+    module: str
+    model_types: tuple[str, ...]     # HF `model_type` values that mean this architecture
+    draft_methods: tuple[str, ...]   # "none" (plain decoding) is always available
+
+    def builder(self):
+        return importlib.import_module(self.module).ARCHITECTURE
+
+
+DRAFT_METHODS: dict[str, DraftMethod] = {m.name: m for m in (
+    DraftMethod("eagle3", "specgen.drafts.eagle3"),
+    DraftMethod("dflash", "specgen.drafts.dflash", k_from_draft=True),
+    DraftMethod("mtp", "specgen.drafts.mtp", lives_in_target=True),
+)}
+
+TARGET_ARCHITECTURES: dict[str, TargetArchitecture] = {a.name: a for a in (
+    TargetArchitecture("LlamaForCausalLM", "specgen.models.llama", ("llama",), ("eagle3", "dflash", "mtp")),
+)}
+
+# Every value `draft.method` may take.
+METHOD_NAMES: tuple[str, ...] = ("none", *DRAFT_METHODS)
+
+
+class UnsupportedError(ValueError):
+    """An architecture or pairing specgen does not run; the message lists what it does run."""
+
+
+def architecture_name(config: dict) -> str:
+    """The architecture an HF config names (by `architectures`, else by `model_type`)."""
+    names = config.get("architectures") or []
+    known = next((n for n in names if n in TARGET_ARCHITECTURES), None)
+    if known is not None:
+        return known
+    if not names:
+        model_type = config.get("model_type")
+        for arch in TARGET_ARCHITECTURES.values():
+            if model_type in arch.model_types:
+                return arch.name
+    return str(names[0] if names else config.get("model_type"))
+
+
+def target_architecture(config: dict, where: str = "config.json") -> TargetArchitecture:
+    name = architecture_name(config)
+    if name not in TARGET_ARCHITECTURES:
+        raise UnsupportedError(f"{where}: architecture {name} is not supported "
+                               f"(supported: {', '.join(TARGET_ARCHITECTURES)})")
+    return TARGET_ARCHITECTURES[name]
+
+
+def check_pairing(architecture: str, method: str) -> None:
+    arch = TARGET_ARCHITECTURES.get(architecture)
+    methods = ("none", *(arch.draft_methods if arch else ()))
+    if method not in methods:
+        raise UnsupportedError(f"draft.method {method!r} is not available for {architecture} targets "
+                               f"(available: {', '.join(methods)})")
