@@ -183,9 +183,11 @@ def request_key(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little")
 
 
-# CPU: compiling the step takes tens of seconds (Inductor, then a C++ compiler) and saves a fraction
-# of each step; below this many steps in a job, `runtime.compile: auto` stays eager.
-CPU_COMPILE_MIN_STEPS = 600
+# CPU: compiling the step costs about 50 s the first time and 13 s once Inductor's disk cache holds
+# it, and saves 15-25 ms of a 60-130 ms SmolLM2 step on 2 cores (none at all at batch 16 with frozen
+# weights, hence the freezing choice in pipelines/compiled.py). Below this many steps a job cannot
+# win the compile time back, and `runtime.compile: auto` stays eager.
+CPU_COMPILE_MIN_STEPS = 3000
 
 
 def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | None) -> tuple[bool, str]:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 from test_speculative import make_recipe, models, prompts, run, runner_for  # noqa: F401  (fixture)
@@ -31,3 +32,45 @@ def test_triton_kernel_inside_the_pipeline_equals_reference(models, monkeypatch)
     monkeypatch.setattr(unified, "verify", functools.partial(unified.verify, force_kernel=True))
     kernel, totals = run(runner_for(recipe), ids, max_tokens=6)
     assert kernel == reference and totals.spec.num_drafts > 0
+
+
+def test_the_disk_cache_never_serves_another_models_weights(tmp_path):
+    """Compiled code with frozen weights is cached on disk; a second model of the same shape (new
+    process, same cache) must still decode with ITS weights."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "run.py"
+    script.write_text(f"""
+import sys, json
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from pathlib import Path
+from checkpoints import tiny_llama_config, write_llama_checkpoint
+from specgen.job import build_runner, resolve
+from specgen.pipelines.runner import Request
+from specgen.recipe import recipe_from_dict
+seed, compile = int(sys.argv[1]), sys.argv[2] == "1"
+folder = Path({str(tmp_path)!r}) / f"t{{seed}}"
+if not folder.exists():
+    write_llama_checkpoint(folder, tiny_llama_config(), seed=seed)
+recipe = recipe_from_dict({{"target": {{"model": str(folder)}}, "draft": {{"method": "none"}},
+    "sampling": {{"max_tokens": 8, "ignore_eos": True}}, "chat_template": False,
+    "runtime": {{"device": "cpu", "batch_size": 2, "max_seq_len": 64, "compile": compile}}}})
+runner, _, _ = build_runner(recipe, resolve(recipe), 0)
+out = {{}}
+runner.run([Request(f"p{{i}}", [5, 6, 7 + i], 8, i) for i in range(3)], lambda c: out.__setitem__(c.id, c.token_ids))
+print(json.dumps(out))
+""")
+    env = dict(os.environ, SPECGEN_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join(sys.path))
+
+    def tokens(seed, compile):
+        run = subprocess.run([sys.executable, str(script), str(seed), str(int(compile))], env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads(run.stdout.strip().splitlines()[-1])
+
+    first, second = tokens(1, True), tokens(2, True)          # the second hits the disk cache
+    assert first == tokens(1, False) and second == tokens(2, False) and first != second

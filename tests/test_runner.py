@@ -132,3 +132,9 @@ def test_a_prompt_that_fails_in_prefill_is_an_error_and_the_batch_goes_on(models
     runner.run(requests, lambda c: done.__setitem__(c.id, c))
     assert done["bad"].finish_reason == "error" and "prefill failed" in done["bad"].error
     assert len(done["a"].token_ids) == 8 and len(done["b"].token_ids) == 8
+
+
+def test_plan_keeps_prompts_of_very_different_lengths_apart():
+    items = [PrefillItem(0, [1] * 16, 0, 50), PrefillItem(1, [1] * 200, 0, 300), PrefillItem(2, [1] * 190, 0, 300)]
+    calls = plan_prefill(items, chunk=512, budget=4096)
+    assert [[i.slot for i in c.items] for c in calls] == [[0], [2, 1]]   # 190 and 200 pad little together

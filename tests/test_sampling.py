@@ -178,10 +178,12 @@ ROWS = [  # temperature, top_k, top_p, min_p
 ]
 
 
-@pytest.mark.parametrize("subset", ["all", "temperature_only", "top_k_only", "top_p_only", "min_p_only"])
+@pytest.mark.parametrize("subset", ["all", "temperature_only", "top_k_only", "top_p_only", "min_p_only",
+                                    "every_sampled_row_has_top_k"])
 def test_process_logits_matches_reference(subset):
     rows = {
-        "all": ROWS,
+        "all": ROWS,   # some sampled rows without top-k: top-p by radix select
+        "every_sampled_row_has_top_k": [r for r in ROWS if r[0] == 0 or r[1] > 0],   # top-k window
         "temperature_only": [r for r in ROWS if r[1:] == (0, 1.0, 0.0)],
         "top_k_only": [r for r in ROWS if r[2:] == (1.0, 0.0)],
         "top_p_only": [r for r in ROWS if r[1] == 0 and r[3] == 0.0],
@@ -203,6 +205,36 @@ def test_process_logits_matches_reference(subset):
             assert np.isfinite(got[top])  # the top token always survives
 
 
+@pytest.mark.parametrize("top_k", [0, 30], ids=["radix-select", "top-k-window"])
+def test_top_p_cuts_through_ties_as_a_stable_sort_does(top_k):
+    """Integer logits: many exact ties, also at the top-p and top-k cut-offs. Survivors among tied
+    tokens are the lowest ids, and as many as the rank-order definition allows."""
+    rows = [(1.0, top_k, p, 0.0) for p in (0.05, 0.3, 0.5, 0.77, 0.9, 0.999)]
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randint(-2, 3, (len(rows), 4, 40), generator=gen).float()
+    params = SamplingTensors.build(*map(list, zip(*rows)))
+    assert params.top_k_window == top_k
+    out = process_logits(logits, params)
+    for b, row in enumerate(rows):
+        for t in range(4):
+            expect = _reference_row(logits[b, t].numpy(), *row)
+            got = out[b, t].double().numpy()
+            assert np.array_equal(np.isneginf(got), np.isneginf(expect)), (row, t)
+
+
+def test_top_p_radix_select_matches_the_sort_on_a_real_vocabulary_size():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 2, 49152, generator=gen) * 4
+    rows = [(0.7, 0, p, 0.0) for p in (0.1, 0.5, 0.8, 0.9, 0.95, 0.99)]
+    out = process_logits(logits, SamplingTensors.build(*map(list, zip(*rows))))
+    for b, row in enumerate(rows):
+        for t in range(2):
+            expect = _reference_row(logits[b, t].numpy(), *row)
+            kept, expected = np.isfinite(out[b, t].numpy()), np.isfinite(expect)
+            # float32 masses against float64 ones: at most a token at the boundary may differ
+            assert abs(int(kept.sum()) - int(expected.sum())) <= 1 and (kept & expected).sum() >= expected.sum() - 1
+
+
 def test_process_logits_greedy_rows_and_dtypes():
     logits = torch.randn(2, 2, 10, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     params = SamplingTensors.build([0.0, 0.0], [2, 0], [0.3, 1.0], [0.0, 0.0])
@@ -219,13 +251,18 @@ def test_process_logits_has_no_host_sync():
     params = SamplingTensors.build([0.0, 0.9, 1.1], [0, 4, 0], [1.0, 0.8, 1.0], [0.0, 0.0, 0.1])
     logits = torch.randn(3, 2, 32, generator=torch.Generator().manual_seed(4))
 
-    def step(logits, temperature, top_k, top_p, min_p, greedy):
-        p = SamplingTensors(temperature, top_k, top_p, min_p, greedy, False, True, True, True)
+    def step(logits, temperature, top_k, top_p, min_p, greedy, window):
+        p = SamplingTensors(temperature, top_k, top_p, min_p, greedy, False, True, True, True, 4, window)
         return process_logits(logits, p)
 
     compiled = torch.compile(step, backend="eager", fullgraph=True)
     args = (params.temperature, params.top_k, params.top_p, params.min_p, params.greedy)
-    assert torch.equal(compiled(logits, *args), process_logits(logits, params))
+    assert params.top_k_window == 0 and params.max_top_k == 4
+    assert torch.equal(compiled(logits, *args, 0), process_logits(logits, params))   # radix select
+    windowed = SamplingTensors.build([0.0, 0.9, 1.1], [0, 4, 3], [1.0, 0.8, 0.9], [0.0, 0.0, 0.1])
+    assert windowed.top_k_window == 4
+    args = (windowed.temperature, windowed.top_k, windowed.top_p, windowed.min_p, windowed.greedy)
+    assert torch.equal(compiled(logits, *args, 4), process_logits(logits, windowed))   # top-k window
 
 
 # ---------------------------------------------------------------------------------------------------

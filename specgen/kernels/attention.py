@@ -43,16 +43,22 @@ def causal_mask(positions: torch.Tensor, key_index: torch.Tensor) -> torch.Tenso
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         rows: torch.Tensor | None, mask: torch.Tensor,
                         scale: float | None = None) -> torch.Tensor:
-    """SDPA over the first kv_len positions of the cache (kv_len = mask.shape[-1])."""
+    """SDPA over the first kv_len positions of the cache (kv_len = mask.shape[-1]).
+
+    GQA is packed like the kernel does it: the G query heads of a KV head become G * T query rows
+    of that head, so each key and value is read once, not once per query head (on CPU, where this
+    path runs, decode attention is bound by reading the cache)."""
     # q: [B, T, Hq, D]; caches: [S, Hkv, L, D]; rows: [B] | None (= slots 0..B-1); mask: [B, 1, T, kv]
-    kv_len = mask.shape[-1]
+    B, T, Hq, D = q.shape
+    kv_heads, kv_len = k_cache.shape[1], mask.shape[-1]
+    group = Hq // kv_heads
     keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
     if rows is not None:
         keys, values = keys[rows], values[rows]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
-                                         attn_mask=mask, scale=scale,
-                                         enable_gqa=q.shape[2] != k_cache.shape[1])
-    return out.transpose(1, 2)
+    packed = q.view(B, T, kv_heads, group, D).permute(0, 2, 1, 3, 4).reshape(B, kv_heads, T * group, D)
+    out = F.scaled_dot_product_attention(packed, keys.to(q.dtype), values.to(q.dtype), scale=scale,
+                                         attn_mask=mask.repeat_interleave(group, dim=2))
+    return out.view(B, kv_heads, T, group, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Contract: `plan_prefill(items, chunk=, budget=)` takes the prompts admitted into free slots and returns
 the calls to make, in order. Prompts are sorted by length and grouped so that one call pads little
-(rows of similar length) and holds at most `budget` padded tokens; a prompt longer than `chunk`
+(rows of similar length: padding is at most a quarter of a call's tokens) and holds at most
+`budget` padded tokens; a prompt longer than `chunk`
 tokens is split into chunks, and chunk r of every prompt of a group goes into the group's r-th call.
 All calls of one admission run back to back, before the next step: a slot whose prompt is only half
 written is inactive, and an inactive slot's step writes scratch at its first positions.
@@ -42,16 +43,22 @@ def _padded(n: int) -> int:
     return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
-def plan_prefill(items: list[PrefillItem], *, chunk: int, budget: int) -> list[PrefillCall]:
+def plan_prefill(items: list[PrefillItem], *, chunk: int, budget: int,
+                 max_padding: float = 0.25) -> list[PrefillCall]:
+    """Calls for `items`: groups of similar length (the padding that grouping adds is at most
+    `max_padding` of a call's tokens) of at most `budget` padded tokens, in chunks of `chunk`."""
     assert chunk % PAD_MULTIPLE == 0, f"the prefill chunk must be a multiple of {PAD_MULTIPLE}"
     calls: list[PrefillCall] = []
     group: list[PrefillItem] = []
+    own = 0           # the group's tokens, each row padded to its own width: what grouping cannot save
     for item in sorted(items, key=lambda i: len(i.prompt)):
         width = _padded(min(len(item.prompt), chunk))
-        if group and (len(group) + 1) * width > budget:
+        padded = (len(group) + 1) * width
+        if group and (padded > budget or padded - own - width > max_padding * padded):
             calls.extend(_chunked(group, chunk))
-            group = []
+            group, own = [], 0
         group.append(item)
+        own += width
     if group:
         calls.extend(_chunked(group, chunk))
     return calls

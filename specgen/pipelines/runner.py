@@ -31,6 +31,7 @@ from specgen.pipelines.unified import UnifiedStep
 from specgen.sampling import SamplingTensors
 
 MIN_KV_BUCKET = 256
+CPU_KV_GRANULE = 64
 # Prefill: prompt tokens per chunk, and padded tokens per call (bounds activation memory).
 PREFILL_CHUNK = {"cpu": 512, "cuda": 2048}
 PREFILL_BUDGET = {"cpu": 4096, "cuda": 16384}
@@ -156,18 +157,23 @@ class Runner:
         return self._compiled
 
     def kv_bucket(self, longest: int) -> int:
-        """Keys the reference attention reads: a power of two covering every slot, at most the
-        allocation less one (no query that matters sits at the last scratch entry, and a bound
+        """Keys the reference attention reads: enough for every slot (a multiple of 64 on CPU, a power
+        of two on CUDA), at most the allocation less one (no query that matters sits at the last scratch entry, and a bound
         below the cache length keeps the compiled step's bound dynamic). The kernel path reads
         per-row lengths and takes the whole allocation."""
         if self.unified.use_kernel:
             return self.alloc_len
         need = longest + (self.lag + 1) * (self.unified.k + 1) + self.unified.scratch_len()
-        bucket = MIN_KV_BUCKET
-        while bucket < need:
-            bucket *= 2
+        if self.device.type == "cpu":
+            # every key read costs on CPU, and the compiled step takes the bound as a dynamic size
+            bucket = -(-need // CPU_KV_GRANULE) * CPU_KV_GRANULE
+        else:
+            bucket = MIN_KV_BUCKET          # few sizes: each is a CUDA graph of its own
+            while bucket < need:
+                bucket *= 2
         return min(bucket, self.alloc_len - 1)
 
+    @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile (and capture) everything up front; seconds spent. Idempotent."""
         if self.warmed:
