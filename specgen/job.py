@@ -26,7 +26,7 @@ from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
                           stats_path, tokenize_prompt, write_json_atomic)
 from specgen.machine import choose_threads
-from specgen.pipelines.compiled import use_compile_cache
+from specgen.pipelines.compiled import CPU_FREEZE_MAX_ROWS, use_compile_cache
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
 from specgen.pipelines.stops import StopRules, eos_ids_from
 from specgen.pipelines.unified import UnifiedStep
@@ -127,12 +127,12 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     seq = recipe.runtime.max_seq_len + 2 * k + 2
     rows, vocab, hidden = b * (k + 1), cfg.vocab_size, cfg.hidden_size
     s = recipe.sampling
-    sorts = s.temperature > 0 and s.top_p < 1 and s.top_k == 0   # a full-vocabulary sort per row
+    filters = s.temperature > 0 and (s.top_p < 1 or s.top_k > 0)
     parts = {
         "target weights": cfg.num_parameters() * item,
         "target KV cache": cfg.cache_bytes_per_token(r.dtype) * b * seq,
-        # fp32 logits, processed log-probs, noise scores; sort values + indices when top-p sorts
-        "logits workspace": rows * vocab * 4 * (3 + (3 if sorts else 0)),
+        # fp32 logits, processed log-probs, noise scores; top-k / top-p: probabilities, keys, masks
+        "logits workspace": rows * vocab * 4 * (3 + (4 if filters else 0)),
         # the reference path's scores over the longest bucket (the kernel's split-K partials are less)
         "attention workspace": rows * cfg.num_heads * seq * 4,
         "activations": rows * (2 * cfg.intermediate_size + 6 * hidden) * 4,
@@ -183,15 +183,16 @@ def request_key(request_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=4).digest(), "little")
 
 
-# CPU: compiling the step costs about 50 s the first time and 13 s once Inductor's disk cache holds
-# it, and saves 15-25 ms of a 60-130 ms SmolLM2 step on 2 cores (none at all at batch 16 with frozen
-# weights, hence the freezing choice in pipelines/compiled.py). Below this many steps a job cannot
-# win the compile time back, and `runtime.compile: auto` stays eager.
-CPU_COMPILE_MIN_STEPS = 3000
+# CPU, `runtime.compile: auto`: compile only a job long enough to win the compile time back.
+# Measured on 2 cores (SmolLM2): with frozen weights (steps of <= 8 rows, see
+# pipelines/compiled.py) compiling takes ~50 s and saves ~20 ms of a ~60 ms step; without (larger
+# batches) ~15 s, 10 s once Inductor's disk cache holds it, and saves ~18 ms of a ~130 ms step.
+CPU_COMPILE_MIN_STEPS = {"frozen": 2500, "not frozen": 800}
 
 
-def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | None) -> tuple[bool, str]:
-    """`runtime.compile` resolved: (compile?, why) for the run's header."""
+def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | None,
+                   rows: int) -> tuple[bool, str]:
+    """`runtime.compile` resolved: (compile?, why) for the run's header. `rows`: tokens per step."""
     setting = recipe.runtime.compile
     if setting is not None:
         return setting, "runtime.compile"
@@ -199,10 +200,11 @@ def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | N
         return True, "auto: CUDA graphs"
     if expected_steps is None:
         return False, "auto: job size unknown"
-    if expected_steps >= CPU_COMPILE_MIN_STEPS:
+    needed = CPU_COMPILE_MIN_STEPS["frozen" if rows <= CPU_FREEZE_MAX_ROWS else "not frozen"]
+    if expected_steps >= needed:
         return True, f"auto: about {expected_steps} steps, long enough to pay back compiling"
     return False, (f"auto: about {expected_steps} steps, too few to pay back compiling "
-                   f"(needs >= {CPU_COMPILE_MIN_STEPS}; runtime.compile: true forces it)")
+                   f"(needs >= {needed}; runtime.compile: true forces it)")
 
 
 def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int | None = None):
@@ -244,7 +246,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     eos = eos_ids_from(tokenizer, generation_config, r.target_config)
     rules = StopRules(eos, tuple(s.stop), s.ignore_eos,
                       lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    compile, why_compile = decide_compile(recipe, r.device, expected_steps)
+    compile, why_compile = decide_compile(recipe, r.device, expected_steps, b * (step.k + 1))
     if compile:
         use_compile_cache(cache_root() / "compiled")
     runner = Runner(step, batch_size=b, max_seq_len=recipe.runtime.max_seq_len, rules=rules,

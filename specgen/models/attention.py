@@ -64,7 +64,7 @@ class AttentionBatch:
     key_index: torch.Tensor          # [kv_len] arange; reference path reads kv_len positions
     mask: torch.Tensor | None        # [B, 1, T, kv_len] causal mask (reference path only)
     use_kernel: bool
-    num_sms: int = 1                 # kernel path: programs wanted to fill the device
+    num_sms: int = 1                 # kernel path: SMs to fill by splitting rows (1: never split)
 
     @classmethod
     def build(cls, positions: torch.Tensor, rows: torch.Tensor | None, key_index: torch.Tensor,
@@ -90,7 +90,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
         return kernel.attention_reference(q, cache.k[layer], cache.v[layer], batch.rows, batch.mask,
                                           scale)
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    tiles = kernel.query_tiles(q.shape[1], q.shape[2] // k.shape[2])
-    splits = kernel.choose_splits(q.shape[0], k.shape[2], tiles, cache.max_len, batch.num_sms)
+    splits = 1
+    if batch.num_sms > 1:   # decode: split long rows over programs (prefill has programs enough)
+        tiles = kernel.query_tiles(q.shape[1], q.shape[2] // k.shape[2])
+        splits = kernel.choose_splits(q.shape[0], k.shape[2], tiles, cache.max_len, batch.num_sms)
     return kernel.cached_attention(q, cache.k[layer], cache.v[layer], rows, batch.positions.contiguous(),
                                    scale, splits)

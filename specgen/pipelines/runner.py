@@ -158,9 +158,9 @@ class Runner:
 
     def kv_bucket(self, longest: int) -> int:
         """Keys the reference attention reads: enough for every slot (a multiple of 64 on CPU, a power
-        of two on CUDA), at most the allocation less one (no query that matters sits at the last scratch entry, and a bound
-        below the cache length keeps the compiled step's bound dynamic). The kernel path reads
-        per-row lengths and takes the whole allocation."""
+        of two on CUDA), at most the allocation less one (no query that matters sits at the last
+        scratch entry, and a bound below the cache length keeps the compiled step's bound dynamic).
+        The kernel path reads per-row lengths and takes the whole allocation."""
         if self.unified.use_kernel:
             return self.alloc_len
         need = longest + (self.lag + 1) * (self.unified.k + 1) + self.unified.scratch_len()
@@ -181,13 +181,15 @@ class Runner:
         self.warmed = True
         if not self.compiled:
             return 0.0
-        # Prefill variants a run meets: one row and several rows (dynamic shapes specialise on 1).
-        items = [PrefillItem(b, [0] * 3, 0, 0) for b in range(min(2, self.batch_size))]
-        calls = [plan_prefill(items[:1], chunk=self.prefill_chunk, budget=self.prefill_budget)[0]]
-        if len(items) > 1:
-            calls.append(plan_prefill(items, chunk=self.prefill_chunk, budget=self.prefill_budget)[0])
-        batches = [pack(c, self.alloc_len, self.functions.key_index(self.kv_bucket(c.width)), self.device)
-                   for c in calls]
+        batches = []
+        if self.functions.prefill_compiled:
+            # The variants a run meets: one row and several rows (dynamic shapes specialise on 1).
+            # Their limit 0 leaves the slots inactive.
+            items = [PrefillItem(b, [0] * 3, 0, 0) for b in range(min(2, self.batch_size))]
+            for rows in sorted({1, len(items)}):
+                call = plan_prefill(items[:rows], chunk=self.prefill_chunk, budget=self.prefill_budget)[0]
+                key_index = self.functions.key_index(self.kv_bucket(call.width))
+                batches.append(pack(call, self.alloc_len, key_index, self.device))
         return self.functions.warm_up(self.kv_bucket(0), batches)
 
     def close(self) -> None:

@@ -108,7 +108,10 @@ class UnifiedStep:
 
     def attention(self, positions: torch.Tensor, rows: torch.Tensor | None,
                   key_index: torch.Tensor) -> AttentionBatch:
-        return AttentionBatch.build(positions, rows, key_index, self.use_kernel, self.num_sms)
+        # Only the step splits long rows over several kernel programs: its shapes are static, and a
+        # prefill call has programs enough (and dynamic shapes under torch.compile).
+        return AttentionBatch.build(positions, rows, key_index, self.use_kernel,
+                                    self.num_sms if rows is None else 1)
 
     def _pick(self, sampling: SamplingTensors, noise_key: torch.Tensor):
         if not self.stochastic:

@@ -1,0 +1,48 @@
+"""Job-level decisions made before any model loads: whether compiling pays, and the memory estimate."""
+
+from __future__ import annotations
+
+import torch
+
+from specgen.job import CPU_COMPILE_MIN_STEPS, decide_compile
+from specgen.recipe import recipe_from_dict
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def recipe(compile=None):
+    return recipe_from_dict({"target": {"model": "m"}, "runtime": {"compile": compile}})
+
+
+def test_auto_compiles_on_cuda_and_only_long_jobs_on_cpu():
+    assert decide_compile(recipe(), CUDA, 10, rows=8)[0] is True
+    short, why = decide_compile(recipe(), CPU, 100, rows=16)
+    assert short is False and "about 100 steps, too few" in why and "runtime.compile: true" in why
+    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["not frozen"], rows=16)[0] is True
+    # few rows per step: weights are frozen, which compiles longer, so the job must be longer
+    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["not frozen"], rows=4)[0] is False
+    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["frozen"], rows=4)[0] is True
+    assert decide_compile(recipe(), CPU, None, rows=4) == (False, "auto: job size unknown")
+
+
+def test_an_explicit_setting_always_wins():
+    assert decide_compile(recipe(True), CPU, 1, rows=1) == (True, "runtime.compile")
+    assert decide_compile(recipe(False), CUDA, 10**6, rows=64) == (False, "runtime.compile")
+
+
+def test_memory_estimate_counts_weights_caches_and_transients():
+    from checkpoints import reference_config
+
+    from specgen.job import Resolved, estimate_bytes
+
+    config = reference_config("meta-llama__Llama-3.1-8B-Instruct.config.json")
+    plan = recipe_from_dict({"target": {"model": "m"},
+                             "runtime": {"batch_size": 64, "max_seq_len": 2048},
+                             "sampling": {"temperature": 0.8, "top_p": 0.9}})
+    for device, graphs in ((CPU, False), (CUDA, True)):
+        parts = estimate_bytes(plan, Resolved(device, torch.bfloat16, None, config, None, None))
+        assert abs(parts["target weights"] / 2 - 8.03e9) < 0.01e9            # bf16
+        assert parts["target KV cache"] == 2 * 32 * 8 * 128 * 2 * 64 * (2048 + 2)
+        assert parts["logits workspace"] == 64 * 128256 * 4 * 7               # sampled with top-p
+        assert {"attention workspace", "activations", "prefill workspace"} <= parts.keys()
+        assert ("CUDA graph pool" in parts) is graphs
