@@ -84,6 +84,10 @@ class SamplingTensors:
                                self.min_p[rows], self.greedy[rows], self.all_greedy, self.use_top_k,
                                self.use_top_p, self.use_min_p, self.max_top_k, self.top_k_window)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The per-slot tensors (slot = dim 0)."""
+        return [self.temperature, self.top_k, self.top_p, self.min_p, self.greedy]
+
     def update_row(self, b: int, temperature: float, top_k: int, top_p: float, min_p: float) -> None:
         """Refill slot b in place (host-to-device copies; call it outside the compiled step)."""
         _check_row(temperature, top_k, top_p, min_p)

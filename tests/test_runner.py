@@ -138,3 +138,33 @@ def test_plan_keeps_prompts_of_very_different_lengths_apart():
     items = [PrefillItem(0, [1] * 16, 0, 50), PrefillItem(1, [1] * 200, 0, 300), PrefillItem(2, [1] * 190, 0, 300)]
     calls = plan_prefill(items, chunk=512, budget=4096)
     assert [[i.slot for i in c.items] for c in calls] == [[0], [2, 1]]   # 190 and 200 pad little together
+
+
+def test_the_tail_of_a_run_steps_over_fewer_slots_and_loses_nothing(models):
+    """Once no request is left to admit and at most half the slots are live, they move to the lowest
+    slots and the (eager) step runs over those only; tokens are exactly those of batch 1."""
+    target, draft = models
+    ids = prompts(lengths=(3, 41, 6, 17, 1, 30, 8, 25))
+    lengths = [4, 30, 6, 22, 9, 3, 28, 12]           # ragged max_tokens: the batch drains unevenly
+    reference = {}
+    single = runner_for(make_recipe(target, draft, k=3, batch=1))
+    single.run([Request(f"p{i}", p, n, 1000 + i) for i, (p, n) in enumerate(zip(ids, lengths))],
+               lambda c: reference.__setitem__(c.id, c.token_ids))
+    runner = runner_for(make_recipe(target, draft, k=3, batch=4))
+    widths = []
+    original = runner.functions.use_slots
+
+    def watch(slots):
+        widths.append(slots)
+        original(slots)
+
+    runner.functions.use_slots = watch
+    for run_number in range(2):                       # a second run starts wide again
+        got = {}
+        runner.run([Request(f"p{i}", p, n, 1000 + i) for i, (p, n) in enumerate(zip(ids, lengths))],
+                   lambda c: got.__setitem__(c.id, c.token_ids))
+        assert got == reference
+        assert (widths[0] == 4) == bool(run_number)  # a later run starts from all slots again
+        narrowed = widths[1:] if run_number else widths
+        assert narrowed[-1] == 1 and narrowed == sorted(narrowed, reverse=True) and max(narrowed) < 4
+        widths.clear()

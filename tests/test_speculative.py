@@ -76,6 +76,19 @@ def runner_for(recipe, draft_override=None):
     return runner
 
 
+class ReferenceCache:
+    """The oracle's per-slot state (a Cache: slot = dim 0): each slot's reference continuation."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+    def tensors(self):
+        return [self.table]
+
+    def narrow(self, slots):
+        return ReferenceCache(self.table[:slots])
+
+
 class OracleDraft(torch.nn.Module):
     """Proposes the reference continuation of each slot, wrong at positions 0, 2, 3 mod 13: runs of
     one and of nine right tokens, so blocks of every acceptance length 0..K occur."""
@@ -87,18 +100,19 @@ class OracleDraft(torch.nn.Module):
         self.references, self.num_speculative_tokens, self.vocab = references, k, vocab
 
     def new_cache(self, slots, max_len, dtype, device):
-        return torch.zeros(slots, max_len + 64, dtype=torch.long)
+        return ReferenceCache(torch.zeros(slots, max_len + 64, dtype=torch.long))
 
     def propose(self, aux, next_tokens, positions, last_index, cache, attn, pick):
+        references = cache.table
         if attn.rows is not None:  # prefill: next_tokens = prompt[1:] + first token; find references
             for r, slot in enumerate(attn.rows.tolist()):
                 sequence = self.references[tuple(next_tokens[r, : last_index[r]].tolist())]
-                cache[slot].zero_()
-                cache[slot, : len(sequence)] = torch.tensor(sequence)
+                references[slot].zero_()
+                references[slot, : len(sequence)] = torch.tensor(sequence)
         rows = attn.cache_rows(next_tokens.shape[0], next_tokens.device)
         start = positions[torch.arange(len(rows)), last_index] + 2      # position of the first draft
         where = start.unsqueeze(1) + torch.arange(self.num_speculative_tokens)
-        tokens = cache[rows.unsqueeze(1), where]
+        tokens = references[rows.unsqueeze(1), where]
         wrong = ((where % 13) == 0) | ((where % 13) == 2) | ((where % 13) == 3)
         return torch.where(wrong, (tokens + 1) % self.vocab, tokens), None
 

@@ -44,6 +44,11 @@ class KVCache:
     def tensors(self) -> list[torch.Tensor]:
         return self.k + self.v
 
+    def narrow(self, slots: int) -> KVCache:
+        view = KVCache.__new__(KVCache)
+        view.k, view.v = [t[:slots] for t in self.k], [t[:slots] for t in self.v]
+        return view
+
     def write(self, layer: int, rows: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         # rows: [B]; positions: [B, T]; k, v: [B, T, Hkv, D]

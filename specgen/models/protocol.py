@@ -17,7 +17,8 @@ say) plugs in by implementing it. The contract:
 - `input_embedding` / `output_embedding`: the weight tensors, so loaders can share instead of copy.
 
 A `Cache` holds per-row state at absolute positions; entries at or past a row's committed length are
-scratch (a step writes them, the next overwrites), so rejected drafts never need an undo.
+scratch (a step writes them, the next overwrites), so rejected drafts never need an undo. Its
+tensors have the slot as dim 0, so a slot moves by copying rows and `narrow` views the first slots.
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ class Cache(Protocol):
     max_len: int
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor the step writes (CUDA graphs keep them at static addresses)."""
+        """Every tensor the step writes, each with the slot as dim 0 (CUDA graphs keep them at
+        static addresses; a slot moves by copying its row of each)."""
+        ...
+
+    def narrow(self, slots: int) -> Cache:
+        """The first `slots` slots, sharing storage (a step over fewer slots)."""
         ...
 
 

@@ -46,6 +46,7 @@ class StepFunctions:
         self.compiled = bool(compile)
         self.cuda_graphs = self.compiled and device.type == "cuda"
         self._key_index: dict[int, torch.Tensor] = {}
+        self._rows = (state, caches, sampling)          # what the step runs over (see use_slots)
         self._step = unified.step
         self._prefill = unified.prefill
         self.prefill_compiled = False
@@ -65,7 +66,7 @@ class StepFunctions:
             # the step reads or writes in place is marked static.
             options["triton.cudagraphs"] = True
             for t in (*state.tensors(), *caches.tensors(), *unified.target.static_tensors(),
-                      *_sampling_tensors(sampling)):
+                      *sampling.tensors()):
                 torch._dynamo.mark_static_address(t)
         self._step = torch.compile(unified.step, fullgraph=True, dynamic=False, options=options)
         self.prefill_compiled = compile_prefill if compile_prefill is not None else device.type == "cuda"
@@ -89,7 +90,14 @@ class StepFunctions:
     def step(self, kv_len: int) -> torch.Tensor:
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        return self._step(self.state, self.caches, self.sampling, self.key_index(kv_len))
+        state, caches, sampling = self._rows
+        return self._step(state, caches, sampling, self.key_index(kv_len))
+
+    def use_slots(self, slots: int) -> None:
+        """Steps run over the first `slots` slots only (eager steps: other shapes would recompile)."""
+        assert not self.compiled, "a compiled step keeps its batch shape"
+        self._rows = (self.state.narrow(slots), self.caches.narrow(slots),
+                      self.sampling.select(slice(0, slots)))
 
     def prefill(self, batch: PrefillBatch) -> None:
         if self.prefill_compiled:
@@ -114,7 +122,3 @@ class StepFunctions:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
-
-
-def _sampling_tensors(sampling: SamplingTensors) -> list[torch.Tensor]:
-    return [sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.greedy]

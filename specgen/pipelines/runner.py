@@ -115,12 +115,13 @@ class _HostReader:
         if not self.cuda:
             return lambda: out.tolist()
         i = self.turn = (self.turn + 1) % len(self.buffers)
-        self.buffers[i].copy_(out, non_blocking=True)
+        buffer = self.buffers[i][: out.shape[0]]
+        buffer.copy_(out, non_blocking=True)
         self.events[i].record()
 
         def read() -> list[list[int]]:
             self.events[i].synchronize()
-            return self.buffers[i].tolist()
+            return buffer.tolist()
 
         return read
 
@@ -150,6 +151,7 @@ class Runner:
         self.reader = _HostReader(device, (batch_size, step.k + 3), self.lag + 1)
         self.warmed = False
         self.step_no = 0
+        self.width = batch_size       # slots the step runs over (fewer in a run's tail, see _narrow)
         self.totals = RunTotals(spec=SpecCounters(step.k))  # live: readable after an interrupt
 
     @property
@@ -233,6 +235,9 @@ class Runner:
         return totals
 
     def _loop(self, pending: Iterator[Request], finish, totals: RunTotals) -> None:
+        if self.width != self.batch_size:               # a previous run ended narrowed
+            self.width = self.batch_size
+            self.functions.use_slots(self.batch_size)
         slots: list[_Slot | None] = [None] * self.batch_size
         lengths = [0] * self.batch_size          # host mirror of cache_lens, for the kv bucket
         inflight: deque[tuple[int, Callable[[], list[list[int]]]]] = deque()
@@ -254,6 +259,29 @@ class Runner:
             if len(inflight) > self.lag or not live:
                 number, read = inflight.popleft()
                 self._absorb(number, read(), slots, lengths, finish)
+            if not more and not inflight:
+                self._narrow(slots, lengths)
+
+    def _narrow(self, slots: list[_Slot | None], lengths: list[int]) -> None:
+        """In the tail of a run (no request left to admit), once at most half the slots are live,
+        move them to the lowest slots and step over those only: on CPU a step costs in proportion to
+        its rows. Only for eager steps without a step in flight (a compiled step keeps its shape,
+        and results in flight name the old slots)."""
+        live = [b for b in range(self.width) if slots[b] is not None]
+        if self.compiled or self.lag or not live or len(live) > self.width // 2:
+            return
+        width = 1 << (len(live) - 1).bit_length()          # a power of two: few distinct shapes
+        free = [b for b in range(width) if slots[b] is None]
+        moved = [(b, free.pop(0)) for b in live if b >= width]
+        tensors = (*self.state.tensors(), *self.caches.tensors(), *self.sampling.tensors())
+        for src, dst in moved:
+            for t in tensors:
+                t[dst] = t[src]
+            self.state.active[src] = False
+            slots[dst], slots[src] = slots[src], None
+            lengths[dst] = lengths[src]
+        self.width = width
+        self.functions.use_slots(width)
 
     def _absorb(self, number: int, rows: list[list[int]], slots: list[_Slot | None], lengths: list[int],
                 finish) -> None:

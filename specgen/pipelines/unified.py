@@ -50,6 +50,12 @@ class StepState:
         return [t for t in (self.pending, self.cache_lens, self.active, self.limit, self.noise_key,
                             self.draft_probs) if t is not None]
 
+    def narrow(self, slots: int) -> StepState:
+        """The first `slots` slots, sharing storage."""
+        return StepState(*(t[:slots] if t is not None else None for t in
+                           (self.pending, self.cache_lens, self.active, self.limit, self.noise_key,
+                            self.draft_probs)))
+
 
 @dataclass(slots=True)
 class StepCaches:
@@ -58,6 +64,10 @@ class StepCaches:
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.target.tensors(), *(self.draft.tensors() if self.draft is not None else ())]
+
+    def narrow(self, slots: int) -> StepCaches:
+        return StepCaches(self.target.narrow(slots),
+                          self.draft.narrow(slots) if self.draft is not None else None)
 
 
 @dataclass(slots=True)
