@@ -22,27 +22,41 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def _cpu_times() -> tuple[float, float] | None:
-    """(busy, total) jiffies of the whole machine, or None where /proc/stat does not exist."""
+def _cpu_times() -> dict[int, tuple[float, float]]:
+    """(busy, total) jiffies of each CPU this process may run on; empty where /proc/stat is not."""
+    mine = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    times = {}
     try:
         with open("/proc/stat") as f:
-            fields = [float(v) for v in f.readline().split()[1:]]
+            for line in f:
+                name, *values = line.split()
+                if not name.startswith("cpu") or name == "cpu" or not name[3:].isdigit():
+                    continue
+                cpu = int(name[3:])
+                if mine is not None and cpu not in mine:
+                    continue
+                fields = [float(v) for v in values]
+                idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)   # idle + iowait
+                total = sum(fields[:8])                 # guest time is counted in user already
+                times[cpu] = (total - idle, total)
     except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)   # idle + iowait
-    total = sum(fields[:8])                                     # guest time is counted in user already
-    return total - idle, total
+        return {}
+    return times
 
 
 def busy_cpus(seconds: float = 0.25) -> float:
-    """CPUs' worth of work other processes are doing now (this process is idle while sampling)."""
+    """CPUs' worth of work other processes do now on this process's CPUs (it is idle meanwhile)."""
     first = _cpu_times()
-    if first is None:
+    if not first:
         return 0.0
     time.sleep(seconds)
     second = _cpu_times()
-    busy, total = second[0] - first[0], second[1] - first[1]
-    return (os.cpu_count() or 1) * busy / total if total > 0 else 0.0
+    busy = 0.0
+    for cpu, (busy0, total0) in first.items():
+        busy1, total1 = second.get(cpu, (busy0, total0))
+        if total1 > total0:
+            busy += (busy1 - busy0) / (total1 - total0)
+    return busy
 
 
 def choose_threads(requested: int | None) -> tuple[int, str]:

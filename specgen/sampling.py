@@ -235,7 +235,7 @@ def _top_p_by_radix_select(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor
     p = top_p[:, None, None]
     log_total = torch.logsumexp(x, dim=-1, keepdim=True)
     probs = torch.exp(x - log_total)
-    key = _order_key(x)
+    key = _order_key(x + 0.0)          # + 0.0 turns -0.0 into +0.0: one key for one compared value
     cutoff = torch.zeros_like(log_total, dtype=torch.int64)            # the cut-off's key, digit by digit
     need = p.expand_as(log_total).clone()                              # mass still to reach inside it
     for shift, width in _RADIX_DIGITS:
@@ -247,6 +247,8 @@ def _top_p_by_radix_select(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor
         mass = torch.zeros(*x.shape[:2], 1 << width, dtype=probs.dtype, device=x.device)
         mass.scatter_add_(-1, digit, weight)
         at_or_above = mass.flip(-1).cumsum(-1).flip(-1)               # mass of buckets >= b
+        # never more than the candidates hold (rounding): then their lowest bucket is chosen
+        need = torch.minimum(need, at_or_above[..., :1])
         buckets = torch.arange(1 << width, device=x.device)
         # the cut-off's bucket: the highest whose buckets at or above hold what is still needed
         chosen = torch.where(at_or_above >= need, buckets, 0).amax(dim=-1, keepdim=True)

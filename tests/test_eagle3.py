@@ -527,3 +527,12 @@ def test_a_shared_embedding_needs_the_targets_width(tmp_path, target):
                                                  "num_attention_heads": 2, "num_key_value_heads": 2})
     with pytest.raises(CheckpointError, match="hidden_size 32 differs"):
         load_draft(folder, target)
+
+
+@pytest.mark.parametrize("own_embedding", [False, True])
+def test_parameter_count_from_the_tensor_names_matches_the_module(tmp_path, target, own_embedding):
+    """The memory estimate counts a draft's own embedding from the checkpoint's names alone."""
+    folder = write_draft(tmp_path / "d", own_embedding=own_embedding)
+    draft = load_draft(folder, target)
+    names = frozenset(load_file(str(folder / "model.safetensors")))
+    assert draft.config.num_parameters(names) == sum(p.numel() for p in draft.parameters())

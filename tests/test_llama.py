@@ -105,3 +105,11 @@ def test_dummy_weights_from_config_alone(tmp_path):
     b = load_target(read_config(folder), folder, dtype=torch.float32, device="cpu", dummy=True)
     torch.testing.assert_close(a.lm_head.weight, b.lm_head.weight)  # deterministic
     assert a.lm_head.weight.std() > 0.01
+
+
+def test_dummy_weights_keep_a_tied_head_one_tensor():
+    config = tiny_llama_config(tie_word_embeddings=True)
+    model = load_target(config, None, dtype=torch.bfloat16, device="cpu", dummy=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.lm_head.weight.dtype == torch.bfloat16 and model.lm_head.weight.std() > 0.01
+    assert model.inv_freq.dtype == torch.float32        # computed, never cast with the weights

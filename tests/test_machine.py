@@ -28,3 +28,17 @@ def test_busy_cpus_reads_the_machine():
     import os
 
     assert 0.0 <= machine.busy_cpus(0.05) <= (os.cpu_count() or 1) + 1e-6
+
+
+def test_only_the_cpus_this_process_may_use_are_counted(monkeypatch):
+    """A container limited to CPU 1 of a host whose CPU 0 is flat out: CPU 1 is free."""
+    import io
+
+    samples = iter([
+        "cpu  100 0 0 100 0 0 0 0\ncpu0 100 0 0 0 0 0 0 0\ncpu1 0 0 0 100 0 0 0 0\nintr 1\n",
+        "cpu  200 0 0 200 0 0 0 0\ncpu0 200 0 0 0 0 0 0 0\ncpu1 0 0 0 200 0 0 0 0\nintr 1\n",
+    ])
+    monkeypatch.setattr(machine, "open", lambda path: io.StringIO(next(samples)), raising=False)
+    monkeypatch.setattr(machine.os, "sched_getaffinity", lambda pid: {1})
+    monkeypatch.setattr(machine.time, "sleep", lambda seconds: None)
+    assert machine.busy_cpus() == 0.0

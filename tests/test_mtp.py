@@ -281,7 +281,7 @@ def test_dummy_draft_and_parameter_count(target):
     draft = load_method_draft("mtp", dummy_mtp_config(target.shape), None, target, num_speculative_tokens=2,
                            dtype=torch.float32, device="cpu", dummy=True)
     cfg = MtpConfig.from_hf(dummy_mtp_config(target.shape), target_layers=N, target_hidden=H, target_vocab=V)
-    assert cfg.num_parameters(own_embedding=False) == sum(p.numel() for p in draft.parameters())
+    assert cfg.num_parameters() == sum(p.numel() for p in draft.parameters())
     drafted, _ = propose(draft, torch.randn(1, 4, H), torch.zeros(1, 4, dtype=torch.long),
                                torch.arange(4)[None], torch.tensor([3]),
                                draft.new_cache(1, 8, torch.float32, "cpu"), 8, argmax_pick)

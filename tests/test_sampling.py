@@ -235,6 +235,19 @@ def test_top_p_radix_select_matches_the_sort_on_a_real_vocabulary_size():
             assert abs(int(kept.sum()) - int(expected.sum())) <= 1 and (kept & expected).sum() >= expected.sum() - 1
 
 
+def test_top_p_just_below_one_keeps_a_whole_row():
+    """float32 masses may sum to less than a top_p of 1 - 1e-7: the row must keep its tokens (the
+    cut-off falls to the lowest bucket), never lose them all to a NaN cut-off."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 1, 49152, generator=gen) * 0.5    # flat: every token holds ~2e-5 > 1e-7
+    params = SamplingTensors.build([1.0] * 4, [0] * 4, [1 - 1e-7] * 4, [0.0] * 4)
+    out = process_logits(logits, params)
+    assert not torch.isnan(out).any()
+    for b in range(4):    # in float64 no token's tail is below 1e-7: the reference keeps every one
+        assert np.isfinite(_reference_row(logits[b, 0].numpy(), 1.0, 0, 1 - 1e-7, 0.0)).all()
+    assert torch.isfinite(out).all()
+
+
 def test_process_logits_greedy_rows_and_dtypes():
     logits = torch.randn(2, 2, 10, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     params = SamplingTensors.build([0.0, 0.0], [2, 0], [0.3, 1.0], [0.0, 0.0])

@@ -51,7 +51,8 @@ class DraftBuilder:
     """What the registry needs of a draft method (each draft module defines one as `METHOD`).
 
     - `config_cls.from_hf(config, target_layers=, target_hidden=, target_vocab=)`, whose result
-      has `num_parameters()` and `cache_bytes_per_token(dtype)` (memory estimates);
+      has `num_parameters(tensors)` (given the checkpoint's tensor names under the weight prefix)
+      and `cache_bytes_per_token(dtype)` (memory estimates);
     - `build(config, state | None, target, *, num_speculative_tokens, dtype, device, seed, where)`:
       the draft module from its HF config and tensors (None = random weights);
     - `dummy_config(shape)`: an HF config in the target's shape, for random-init drafts;

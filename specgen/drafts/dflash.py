@@ -151,7 +151,8 @@ class DFlashConfig:
             attention_bias=bool(config.get("attention_bias", False)),
         )
 
-    def num_parameters(self) -> int:
+    def num_parameters(self, tensors: frozenset[str] = frozenset()) -> int:
+        """Parameters (no embedding, no head: the target's serve)."""
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         qkv = (self.num_heads + 2 * self.num_kv_heads) * d
         attn = h * qkv + self.num_heads * d * h + 2 * d + (qkv + h if self.attention_bias else 0)

@@ -93,7 +93,9 @@ class Eagle3Config:
             norm_before_residual=bool(config.get("norm_before_residual", False)),
         )
 
-    def num_parameters(self, own_embedding: bool = False) -> int:
+    def num_parameters(self, tensors: frozenset[str] = frozenset()) -> int:
+        """Parameters, given the checkpoint's tensor names (an own `embed_tokens` counts too)."""
+        own_embedding = "embed_tokens.weight" in tensors
         h, d = self.hidden_size, self.head_dim
         attn = 2 * h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
         layer = attn + 3 * h * self.intermediate_size + 3 * h

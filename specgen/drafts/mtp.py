@@ -152,9 +152,12 @@ class MtpConfig:
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         return MTP_BLOCKS[self.block_type].cache_bytes_per_token(self.block, dtype)
 
-    def num_parameters(self, own_embedding: bool = False, own_head: bool = False) -> int:
+    def num_parameters(self, tensors: frozenset[str] = frozenset()) -> int:
+        """Parameters, given the checkpoint's tensor names under the layer's prefix (an embedding or
+        head of its own counts too; DeepSeek's copies of the target's are shared at load, an
+        estimate from names alone counts them)."""
         h, v = self.hidden_size, self.vocab_size
-        own = (v * h if own_embedding else 0) + (v * h if own_head else 0)
+        own = v * h * (("embed_tokens.weight" in tensors) + ("shared_head.head.weight" in tensors))
         # enorm + hnorm + eh_proj + shared_head.norm + block
         return 3 * h + 2 * h * h + MTP_BLOCKS[self.block_type].num_parameters(self.block) + own
 

@@ -25,7 +25,13 @@ def build(make: Callable[[], nn.Module], state: dict[str, torch.Tensor] | None, 
         module = make()
     if state is None:
         # Allocated straight in the run's dtype on the device: never an fp32 copy of an 8B model.
+        # Moving off the meta device gives every module its own new Parameter, so parameters shared
+        # under two names (a tied LM head) are tied again afterwards.
+        shared = _shared_parameter_names(module)
         module = module.to(dtype).to_empty(device=device)
+        for first, others in shared:
+            for name in others:
+                _set_parameter(module, name, module.get_parameter(first))
         random_init(module, seed=seed)
     else:
         load_into(module, state, dtype=dtype, device=device, where=where)
@@ -34,6 +40,18 @@ def build(make: Callable[[], nn.Module], state: dict[str, torch.Tensor] | None, 
     if init_buffers is not None:
         init_buffers(device)
     return module
+
+
+def _shared_parameter_names(module: nn.Module) -> list[tuple[str, list[str]]]:
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [(group[0], group[1:]) for group in names.values() if len(group) > 1]
+
+
+def _set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    owner, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(owner) if owner else module, attr, param)
 
 
 def load_into(module: nn.Module, state: dict[str, torch.Tensor], *, dtype: torch.dtype,

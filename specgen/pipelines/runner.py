@@ -235,6 +235,7 @@ class Runner:
         return totals
 
     def _loop(self, pending: Iterator[Request], finish, totals: RunTotals) -> None:
+        self.state.active.zero_()                       # an interrupted run may have left slots live
         if self.width != self.batch_size:               # a previous run ended narrowed
             self.width = self.batch_size
             self.functions.use_slots(self.batch_size)
