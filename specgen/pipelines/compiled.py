@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 
 from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep
 from specgen.sampling import SamplingTensors
@@ -35,6 +36,17 @@ def use_compile_cache(directory: Path) -> None:
     """Point Inductor's (and Triton's) on-disk caches at `directory` unless the user already chose."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory / "inductor"))
     os.environ.setdefault("TRITON_CACHE_DIR", str(directory / "triton"))
+
+
+def _under_freezing(compiled, freezing: bool):
+    """Inductor reads `freezing` from its global config when it compiles, and it compiles at a call
+    (the first, or a recompile), not at torch.compile(): `options={"freezing": ...}` never reaches
+    it (measured: no weight was folded or prepacked). So every call runs under the setting; the
+    patch costs microseconds against a step of milliseconds."""
+    def call(*args):
+        with inductor_config.patch(freezing=freezing):
+            return compiled(*args)
+    return call
 
 
 class StepFunctions:
@@ -50,14 +62,17 @@ class StepFunctions:
         self._step = unified.step
         self._prefill = unified.prefill
         self.prefill_compiled = False
+        self.frozen = False
         if not self.compiled:
             return
-        # Weights never change during a run: Inductor can fold them in as constants ("freezing"; on
-        # CPU it also prepacks them for oneDNN). Measured on 2 CPU cores (SmolLM2, ms per step):
-        # 1 row 66 eager / 41 frozen / 60 not frozen; 16 rows 132 / 132 / 114. So freeze where the
-        # step's GEMMs have few rows, and always on CUDA.
+        # Weights never change during a run: on CPU Inductor can fold them in as constants
+        # ("freezing") and prepack them for oneDNN. Measured on 2 CPU cores (SmolLM2, fp32, kv 128,
+        # ms per compiled step, not frozen / frozen): 1 row 49.9 / 38.4; 4 rows 76.2 / 72.1; 16 rows
+        # 87.8 / 105.2. So freeze where the step's GEMMs have few rows. Not on CUDA: nothing is
+        # prepacked there, and frozen graphs bypass Inductor's on-disk graph cache.
         rows = state.pending.numel()
-        options = {"freezing": device.type == "cuda" or rows <= CPU_FREEZE_MAX_ROWS}
+        self.frozen = device.type == "cpu" and rows <= CPU_FREEZE_MAX_ROWS
+        options = {}
         # Several runners in one process (tests, benchmarks, library users) share the step's code
         # object; each adds its own variants.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
@@ -68,11 +83,12 @@ class StepFunctions:
             for t in (*state.tensors(), *caches.tensors(), *unified.target.static_tensors(),
                       *sampling.tensors()):
                 torch._dynamo.mark_static_address(t)
-        self._step = torch.compile(unified.step, fullgraph=True, dynamic=False, options=options)
+        self._step = _under_freezing(
+            torch.compile(unified.step, fullgraph=True, dynamic=False, options=options), self.frozen)
         self.prefill_compiled = compile_prefill if compile_prefill is not None else device.type == "cuda"
         if self.prefill_compiled:
-            self._prefill = torch.compile(unified.prefill, fullgraph=True, dynamic=True,
-                                          options={"freezing": options["freezing"]})
+            self._prefill = _under_freezing(
+                torch.compile(unified.prefill, fullgraph=True, dynamic=True), self.frozen)
 
     def key_index(self, kv_len: int) -> torch.Tensor:
         """The arange whose length bounds the keys the reference attention reads (one per bucket)."""
