@@ -193,7 +193,7 @@ def request_key(request_id: str) -> int:
 
 
 # CPU, `runtime.compile: auto`: compile only a job long enough to win the compile time back.
-# Measured on 2 cores (SmolLM2): with frozen weights (steps of <= 8 rows, see
+# Measured on 2 cores (SmolLM2): with frozen weights (steps of <= 4 rows, see
 # pipelines/compiled.py) compiling takes ~50 s and saves ~20 ms of a ~60 ms step; without (larger
 # batches) ~15 s, 10 s once Inductor's disk cache holds it, and saves ~18 ms of a ~130 ms step.
 CPU_COMPILE_MIN_STEPS = {"frozen": 2500, "not frozen": 800}

@@ -29,7 +29,7 @@ from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, Unifi
 from specgen.sampling import SamplingTensors
 
 
-CPU_FREEZE_MAX_ROWS = 8
+CPU_FREEZE_MAX_ROWS = 4
 
 
 def use_compile_cache(directory: Path) -> None:
@@ -68,7 +68,8 @@ class StepFunctions:
         # Weights never change during a run: on CPU Inductor can fold them in as constants
         # ("freezing") and prepack them for oneDNN. Measured on 2 CPU cores (SmolLM2, fp32, kv 128,
         # ms per compiled step, not frozen / frozen): 1 row 49.9 / 38.4; 4 rows 76.2 / 72.1; 16 rows
-        # 87.8 / 105.2. So freeze where the step's GEMMs have few rows. Not on CUDA: nothing is
+        # 87.8 / 105.2; at 8 rows benchmarks/vs_transformers.py --compile fell from 1.35x to 0.99x
+        # frozen. So freeze where the step's GEMMs have few rows. Not on CUDA: nothing is
         # prepacked there, and frozen graphs bypass Inductor's on-disk graph cache.
         rows = state.pending.numel()
         self.frozen = device.type == "cpu" and rows <= CPU_FREEZE_MAX_ROWS
