@@ -225,7 +225,8 @@ class Runner:
 
         try:
             if on_status is not None and self.compiled and not self.warmed:
-                on_status("compiling the step and the prefill (once; cached on disk for later runs)")
+                what = "the step and the prefill" if self.functions.prefill_compiled else "the step"
+                on_status(f"compiling {what} (once; Inductor's disk cache speeds up later runs)")
             totals.compile_seconds = self.warm_up()
             if on_status is not None and totals.compile_seconds:
                 on_status(f"compiled in {totals.compile_seconds:.1f} s")
