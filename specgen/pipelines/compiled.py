@@ -12,8 +12,9 @@ Variants are few by construction:
   one CUDA graph (Inductor's `triton.cudagraphs`, state and caches at static addresses);
 - the prefill is compiled with dynamic shapes (rows and padded length), without CUDA graphs, where
   it pays (CUDA); on CPU its large GEMMs gain little from Inductor and it stays eager.
-Inductor's on-disk caches live under the directory the caller gives (`$SPECGEN_CACHE/inductor`), so
-a second run of the same recipe reuses the compiled code instead of recompiling it.
+Inductor's on-disk caches live under the directory the caller gives (`$SPECGEN_CACHE/compiled`), so
+a second run of the same recipe reuses compiled code (whole graphs when not frozen; the generated
+kernels always: frozen graphs bypass Inductor's graph cache).
 """
 
 from __future__ import annotations
