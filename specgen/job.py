@@ -27,7 +27,7 @@ from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
                           stats_path, tokenize_prompt, write_json_atomic)
 from specgen.machine import choose_threads
-from specgen.pipelines.compiled import CPU_FREEZE_MAX_ROWS, use_compile_cache
+from specgen.pipelines.compiled import freezes, use_compile_cache
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
 from specgen.pipelines.stops import StopRules, eos_ids_from
 from specgen.pipelines.unified import UnifiedStep
@@ -209,7 +209,7 @@ def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | N
         return True, "auto: CUDA graphs"
     if expected_steps is None:
         return False, "auto: job size unknown"
-    needed = CPU_COMPILE_MIN_STEPS["frozen" if rows <= CPU_FREEZE_MAX_ROWS else "not frozen"]
+    needed = CPU_COMPILE_MIN_STEPS["frozen" if freezes(device, rows) else "not frozen"]
     if expected_steps >= needed:
         return True, f"auto: about {expected_steps} steps, long enough to pay back compiling"
     return False, (f"auto: about {expected_steps} steps, too few to pay back compiling "

@@ -33,6 +33,11 @@ from specgen.sampling import SamplingTensors
 CPU_FREEZE_MAX_ROWS = 4
 
 
+def freezes(device: torch.device, rows: int) -> bool:
+    """Whether a compiled step of `rows` tokens folds its weights in (see StepFunctions)."""
+    return device.type == "cpu" and rows <= CPU_FREEZE_MAX_ROWS
+
+
 def use_compile_cache(directory: Path) -> None:
     """Point Inductor's (and Triton's) on-disk caches at `directory` unless the user already chose."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory / "inductor"))
@@ -73,7 +78,7 @@ class StepFunctions:
         # frozen. So freeze where the step's GEMMs have few rows. Not on CUDA: nothing is
         # prepacked there, and frozen graphs bypass Inductor's on-disk graph cache.
         rows = state.pending.numel()
-        self.frozen = device.type == "cpu" and rows <= CPU_FREEZE_MAX_ROWS
+        self.frozen = freezes(device, rows)
         options = {}
         # Several runners in one process (tests, benchmarks, library users) share the step's code
         # object; each adds its own variants.
