@@ -34,7 +34,7 @@ def run(
     try:
         parsed = load_recipe(recipe, set_ or ())
     except RecipeError as err:
-        console.print(f"[red]{err}[/red]", markup=True, highlight=False)
+        console.print(f"[red]{err}[/red]", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     from specgen.job import JobError, run_job  # heavy imports only once the recipe is valid
 
@@ -46,7 +46,7 @@ def run(
         nonlocal task
         console.print(f"specgen: {header}", highlight=False, soft_wrap=True)
         for note in notes:
-            console.print(f"[yellow]note:[/yellow] {note}", highlight=False)
+            console.print(f"[yellow]note:[/yellow] {note}", highlight=False, soft_wrap=True)
         bar.start()
         task = bar.add_task("generating", total=total, rate="-", accept="-")
 
@@ -63,7 +63,7 @@ def run(
                           on_start=on_start, on_progress=on_progress, on_status=on_status)
     except JobError as err:
         bar.stop()
-        console.print(f"[red]error:[/red] {err}", highlight=False)
+        console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         bar.stop()
@@ -95,7 +95,7 @@ def _print_summary(summary) -> None:
         line += (f"; mean acceptance length {spec['mean_acceptance_length']:.2f}, "
                  f"draft acceptance rate {spec['draft_acceptance_rate']:.1%}")
     console.print(line, highlight=False)
-    console.print(f"results: {summary.output}\nstats:   {summary.stats_file}", highlight=False)
+    console.print(f"results: {summary.output}\nstats:   {summary.stats_file}", highlight=False, soft_wrap=True)
 
 
 if __name__ == "__main__":
