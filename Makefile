@@ -18,7 +18,10 @@ $(BIN)/specgen: pyproject.toml
 setup: $(BIN)/specgen
 
 demo: setup
-	$(BIN)/specgen run recipes/smollm2-eagle3.yaml
+	$(BIN)/specgen run recipes/smollm2-eagle3.yaml --no-resume
+	# the same prompts without a draft: identical tokens (greedy), and the speed-up
+	$(BIN)/specgen run recipes/smollm2-ar.yaml --no-resume
+	$(BIN)/python benchmarks/compare_runs.py outputs/smollm2-eagle3.jsonl outputs/smollm2-ar.jsonl
 
 test: setup
 	$(BIN)/python -m pytest -q

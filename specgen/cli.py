@@ -68,10 +68,154 @@ def run(
     except KeyboardInterrupt:
         bar.stop()
         console.print(f"\n[yellow]interrupted.[/yellow] Finished results are safe in {out}; run the same "
-                      "command again to resume (ids already written are skipped).", highlight=False)
+                      "command again to resume (ids already written are skipped).", highlight=False,
+                      soft_wrap=True)
         raise typer.Exit(130) from None
     bar.stop()
     _print_summary(summary)
+
+
+@app.command("train-draft")
+def train_draft(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML with a train section (see recipes/).")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe field: a.b=value (YAML).")] = None,
+    restart: Annotated[bool, typer.Option("--restart", help="Ignore the checkpoint of an interrupted run.")] = False,
+) -> None:
+    """Train the recipe's draft on the target's own answers; writes it to draft.model with a card."""
+    try:
+        parsed = load_recipe(recipe, set_ or ())
+        if parsed.train is None:
+            raise RecipeError("train", "required by train-draft (see recipes/smollm2-eagle3.yaml)")
+    except RecipeError as err:
+        console.print(f"[red]{err}[/red]", markup=True, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    from specgen.training.trainer import TrainError, train_draft as run_training
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console)
+    tasks: dict[str, int] = {}
+
+    def on_data(split: str, p, total: int) -> None:
+        if split not in tasks:
+            bar.start()
+            tasks[split] = bar.add_task(f"{split} answers", total=total, info="")
+        bar.update(tasks[split], completed=p.finished, info=f"{p.tokens_per_second:,.1f} tok/s")
+
+    def on_progress(p) -> None:
+        if "train" not in tasks:
+            bar.start()
+            tasks["train"] = bar.add_task("training", total=p.total_steps, info="")
+        agree = f", held-out top-1 {p.agreement[0]:.1%}" if p.agreement else ""
+        bar.update(tasks["train"], completed=p.step,
+                   info=f"loss {p.loss:.3f}, {p.tokens_per_second:,.0f} tok/s{agree}")
+
+    def on_status(line: str) -> None:
+        bar.console.print(line, highlight=False, soft_wrap=True)
+
+    try:
+        summary = run_training(parsed, restart=restart, on_status=on_status, on_progress=on_progress,
+                               on_data_progress=on_data)
+    except TrainError as err:
+        bar.stop()
+        console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        bar.stop()
+        console.print("\n[yellow]interrupted.[/yellow] The last checkpoint is kept; run the same command "
+                      "again to resume.", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
+    bar.stop()
+    best = [r for r in summary.acceptance if r.k is not None]
+    line = f"trained {summary.steps} steps ({summary.tokens_seen:,} tokens) in {summary.train_seconds / 60:.1f} min"
+    if best:
+        line += "; held-out mean acceptance length " + ", ".join(
+            f"K={r.k}: {r.mean_acceptance_length:.2f}" for r in best)
+    console.print(line, highlight=False)
+    console.print(f"draft: {summary.output} (card: {summary.output / 'README.md'})", highlight=False,
+                  soft_wrap=True)
+
+
+@app.command()
+def bench(
+    recipes: Annotated[list[Path], typer.Argument(help="One or more recipes of the same target.")],
+    prompts: Annotated[str | None, typer.Option(help="Prompts: 'default', 'sharegpt-heldout' or a .jsonl file "
+                                                     "(default: held-out ShareGPT when installed).")] = None,
+    limit: Annotated[int, typer.Option(min=1, help="Prompts used.")] = 16,
+    batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8",
+    max_tokens: Annotated[int, typer.Option(min=1, help="Max new tokens per prompt (greedy, to EOS).")] = 128,
+    baselines: Annotated[str, typer.Option(help="Comma-separated: ar (no draft), hf (transformers generate).")] = "ar,hf",
+    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per configuration (median).")] = 2,
+    output: Annotated[Path | None, typer.Option(help="JSON report (default: outputs/bench-<recipe>.json).")] = None,
+    plot: Annotated[Path | None, typer.Option(help="PNG (default: next to the JSON report).")] = None,
+    all_drafts: Annotated[bool, typer.Option("--all-drafts", help="Add every recipe beside the first that "
+                                                                   "drafts for the same target.")] = False,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field of every recipe: a.b=value.")] = None,
+) -> None:
+    """Speed-up of speculative decoding over plain decoding and transformers, on the same prompts."""
+    import shlex
+    import sys
+
+    try:
+        sizes = tuple(int(x) for x in batch_sizes.split(","))
+        if not sizes or min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        console.print(f"[red]--batch-sizes: expected comma-separated integers >= 1, got {batch_sizes!r}[/red]")
+        raise typer.Exit(2) from None
+    chosen = tuple(b for b in baselines.split(",") if b)
+    if set(chosen) - {"ar", "hf"}:
+        console.print(f"[red]--baselines: expected ar and/or hf, got {baselines!r}[/red]")
+        raise typer.Exit(2) from None
+    paths = list(recipes)
+    if all_drafts:
+        paths += _sibling_draft_recipes(paths[0], paths)
+    try:
+        parsed = [load_recipe(p, set_ or ()) for p in paths]
+    except RecipeError as err:
+        console.print(f"[red]{err}[/red]", markup=True, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    from specgen.bench.measure import BenchError, BenchOptions, run_bench
+    from specgen.bench.report import table, write_json, write_png
+
+    options = BenchOptions(prompts, limit, sizes, max_tokens, chosen, repeats)
+    out = output or Path("outputs") / f"bench-{paths[0].stem}.json"
+    png = plot or out.with_suffix(".png")
+    try:
+        report = run_bench(parsed, options, on_status=lambda line: console.print(line, highlight=False))
+    except BenchError as err:
+        console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    # Wide enough for every column whatever the terminal: a narrow one wraps lines, never cuts figures.
+    wide = Console(width=max(Console().width, 180))
+    wide.print(table(report))
+    write_json(report, out, " ".join(shlex.quote(a) for a in ["specgen", *sys.argv[1:]]))
+    write_png(report, png)
+    console.print(f"report: {out}\nplot:   {png}", highlight=False, soft_wrap=True)
+
+
+def _sibling_draft_recipes(first: Path, given: list[Path]) -> list[Path]:
+    """Recipes beside `first` with the same target and another draft method (for --all-drafts)."""
+    import yaml
+
+    def read(p: Path) -> dict:
+        try:
+            data = yaml.safe_load(p.read_text())
+        except (OSError, yaml.YAMLError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    mine = read(first)
+    target = (mine.get("target") or {}).get("model")
+    methods = {((read(p).get("draft") or {}).get("method")) for p in given}
+    found = []
+    for p in sorted(first.parent.glob("*.yaml")):
+        data = read(p)
+        method = (data.get("draft") or {}).get("method")
+        if p not in given and (data.get("target") or {}).get("model") == target and method not in (None, "none") \
+                and method not in methods and (data.get("draft") or {}).get("load_format") != "dummy":
+            found.append(p)
+            methods.add(method)
+    return found
 
 
 def _progress_bar() -> Progress:

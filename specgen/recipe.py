@@ -20,6 +20,7 @@ The speculative section uses vLLM's vocabulary (`method`, `model`, `num_speculat
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -101,6 +102,46 @@ class RuntimeSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainSpec:
+    """`specgen train-draft`: how to train the recipe's draft (written to `draft.model`)."""
+
+    prompts: int = 2000               # train-split ShareGPT prompts the target answers (self-distillation)
+    answer_tokens: int = 256          # max tokens of each answer
+    max_prompt_chars: int = 1500      # longer first turns are skipped
+    generation_batch_size: int = 96
+    dtype: str = "auto"               # target features and autocast: auto = bfloat16 where the CPU has it
+    heldout_prompts: int = 64         # held-out answers for top-1 agreement while training
+    epochs: float = 2.0
+    batch_size: int = 8               # sequences per optimizer step
+    max_seq_len: int = 640            # prompt + answer tokens kept per sequence
+    learning_rate: float = 1e-3
+    min_lr_ratio: float = 0.1         # cosine decay ends at learning_rate * min_lr_ratio
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    ttt_steps: int = 5                # eagle3, mtp: unrolled chain passes
+    ttt_decay: float = 0.8            # eagle3, mtp: loss weight of pass i is ttt_decay ** i
+    draft_vocab_size: int = 8192      # eagle3: most frequent answer tokens kept
+    layers: int = 2                   # dflash: draft layers
+    block_size: int = 8               # dflash: anchor + K masks
+    anchors: int = 32                 # dflash: blocks per sequence
+    loss_gamma: float | None = None   # dflash: position weights exp(-(i - 1) / gamma); None = block_size // 2
+    checkpoint_every: int = 50        # optimizer steps between checkpoints (resume after a kill)
+    eval_every: int = 50              # optimizer steps between held-out agreement measurements
+    eval_prompts: int = 24            # held-out prompts of the final acceptance measurement
+    eval_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    eval_max_tokens: int = 128
+    export_dtype: str = "bfloat16"
+    seed: int = 0
+
+
+# Which train fields apply to which draft method only.
+TRAIN_FIELDS_OF = {"ttt_steps": ("eagle3", "mtp"), "ttt_decay": ("eagle3", "mtp"),
+                   "draft_vocab_size": ("eagle3",), "layers": ("dflash",), "block_size": ("dflash",),
+                   "anchors": ("dflash",), "loss_gamma": ("dflash",)}
+
+
+@dataclass(frozen=True, slots=True)
 class Recipe:
     target: TargetSpec
     draft: DraftSpec = field(default_factory=DraftSpec)
@@ -109,12 +150,19 @@ class Recipe:
     prompts: str = "default"  # "default", "sharegpt", or a path to a .jsonl file
     output: str = "outputs/recipe.jsonl"  # always resolved; see recipe_from_dict
     chat_template: bool = True
+    train: TrainSpec | None = None  # only `specgen train-draft` reads it
     source: Path | None = None  # the recipe file, when there is one
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved recipe as JSON-serialisable data; `recipe_from_dict` accepts it back."""
         data = asdict(self)
         del data["source"]  # provenance, not a recipe field: kept out so the round trip validates
+        if data["train"] is None:
+            del data["train"]
+        else:  # fields of other methods are errors in a recipe: keep them out too
+            for key, methods in TRAIN_FIELDS_OF.items():
+                if self.draft.method not in methods:
+                    del data["train"][key]
         return data
 
 
@@ -213,7 +261,13 @@ def _integer(lo: int | None = None, hi: int | None = None) -> Callable[[object],
     return parse
 
 
+_EXPONENT_ONLY = re.compile(r"[+-]?\d+(\.\d*)?[eE][+-]?\d+")
+
+
 def _number(value: object) -> float:
+    # YAML 1.1 (PyYAML) reads `1e-3` as a string (it wants `1.0e-3`); take it as the number it is.
+    if isinstance(value, str) and _EXPONENT_ONLY.fullmatch(value.strip()):
+        return float(value)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise _Bad(f"expected a number, got {_show(value)}")
     return float(value)
@@ -319,7 +373,8 @@ def _default_output(source: Path | None) -> str:
     return f"outputs/{source.stem if source is not None else 'recipe'}.jsonl"
 
 
-_TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_template")
+_TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_template", "train")
+_TRAIN = tuple(TrainSpec.__dataclass_fields__)
 _TARGET = ("model", "dtype", "load_format")
 _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos")
@@ -394,6 +449,8 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         threads=check.get(r, "runtime.threads", _auto_or(_integer(1)), None),
     )
 
+    train = _train_spec(check, data, method, draft_model)
+
     prompts = check.get(data, "prompts", _string, "default")
     output = check.get(data, "output", _optional(_string), None)
     chat_template = check.get(data, "chat_template", _boolean, True)
@@ -409,5 +466,65 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         prompts=prompts,
         output=output if output is not None else _default_output(source),
         chat_template=chat_template,
+        train=train,
         source=source,
     )
+
+
+def _positive_list(value: object) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise _Bad(f"expected a non-empty list of integers >= 1, got {_show(value)}")
+    return [_integer(1, MAX_NUM_SPECULATIVE_TOKENS)(v) for v in value]
+
+
+def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_model: str | None) -> TrainSpec | None:
+    if data.get("train") is None:
+        return None
+    t = check.section(data, "train", _TRAIN)
+    if t is None:
+        return None
+    positive = _integer(1)
+    fraction = _in_range(_number, lambda x: 0 <= x <= 1, "must be >= 0 and <= 1")
+    above_zero = _in_range(_number, lambda x: x > 0, "must be > 0")
+    d = TrainSpec()
+    spec = TrainSpec(
+        prompts=check.get(t, "train.prompts", positive, d.prompts),
+        answer_tokens=check.get(t, "train.answer_tokens", positive, d.answer_tokens),
+        max_prompt_chars=check.get(t, "train.max_prompt_chars", _integer(16), d.max_prompt_chars),
+        generation_batch_size=check.get(t, "train.generation_batch_size", positive, d.generation_batch_size),
+        dtype=check.get(t, "train.dtype", _choice(DTYPES), d.dtype),
+        heldout_prompts=check.get(t, "train.heldout_prompts", positive, d.heldout_prompts),
+        epochs=check.get(t, "train.epochs", above_zero, d.epochs),
+        batch_size=check.get(t, "train.batch_size", positive, d.batch_size),
+        max_seq_len=check.get(t, "train.max_seq_len", _integer(16), d.max_seq_len),
+        learning_rate=check.get(t, "train.learning_rate", above_zero, d.learning_rate),
+        min_lr_ratio=check.get(t, "train.min_lr_ratio", fraction, d.min_lr_ratio),
+        warmup_steps=check.get(t, "train.warmup_steps", _integer(0), d.warmup_steps),
+        weight_decay=check.get(t, "train.weight_decay", _in_range(_number, lambda x: x >= 0, "must be >= 0"),
+                               d.weight_decay),
+        grad_clip=check.get(t, "train.grad_clip", above_zero, d.grad_clip),
+        ttt_steps=check.get(t, "train.ttt_steps", _integer(1, MAX_NUM_SPECULATIVE_TOKENS), d.ttt_steps),
+        ttt_decay=check.get(t, "train.ttt_decay", _in_range(_number, lambda x: 0 < x <= 1, "must be > 0 and <= 1"),
+                            d.ttt_decay),
+        draft_vocab_size=check.get(t, "train.draft_vocab_size", _integer(2), d.draft_vocab_size),
+        layers=check.get(t, "train.layers", positive, d.layers),
+        block_size=check.get(t, "train.block_size", _integer(2, MAX_NUM_SPECULATIVE_TOKENS + 1), d.block_size),
+        anchors=check.get(t, "train.anchors", positive, d.anchors),
+        loss_gamma=check.get(t, "train.loss_gamma", _optional(above_zero), d.loss_gamma),
+        checkpoint_every=check.get(t, "train.checkpoint_every", positive, d.checkpoint_every),
+        eval_every=check.get(t, "train.eval_every", positive, d.eval_every),
+        eval_prompts=check.get(t, "train.eval_prompts", positive, d.eval_prompts),
+        eval_ks=check.get(t, "train.eval_ks", _positive_list, d.eval_ks),
+        eval_max_tokens=check.get(t, "train.eval_max_tokens", positive, d.eval_max_tokens),
+        export_dtype=check.get(t, "train.export_dtype", _choice(DTYPES[1:]), d.export_dtype),
+        seed=check.get(t, "train.seed", _integer(0), d.seed),
+    )
+    for key, methods in TRAIN_FIELDS_OF.items():
+        if key in t and method not in methods:
+            check.problems.append((f"train.{key}", f"applies to draft.method {' / '.join(methods)} only, "
+                                                   f"not {method}"))
+    if method == "none":
+        check.problems.append(("train", "needs a draft.method to train (eagle3, dflash or mtp)"))
+    elif draft_model is None:
+        check.problems.append(("draft.model", "required with a train section: the trained draft is written there"))
+    return spec

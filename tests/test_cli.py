@@ -150,9 +150,13 @@ def test_ctrl_c_keeps_whole_lines_and_the_rerun_resumes(setup, tmp_path):
     recipe = write_recipe(tmp_path, target, draft)
     out = tmp_path / "many-out.jsonl"
     cmd = [sys.executable, "-m", "specgen.cli", "run", str(recipe), "--prompts", str(prompts), "--output", str(out),
-           "--set", "sampling.max_tokens=4"]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--set", "sampling.max_tokens=4", "--set", "runtime.compile=false"]
+    # A narrow terminal and a long temp path must not split the hint the test reads.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), COLUMNS="40")
+    # A shell's background job starts with SIGINT ignored, and Python then keeps ignoring it: give the
+    # child the default disposition so the test means the same under any parent.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and (not out.exists() or len(out.read_text().splitlines()) < 3):
         time.sleep(0.2)

@@ -99,7 +99,8 @@ def test_int_accepted_as_float():
         ),
         (
             {**MINIMAL, "sampler": {}},
-            "recipe.sampler: unknown key (known: target, draft, sampling, runtime, prompts, output, chat_template)",
+            "recipe.sampler: unknown key (known: target, draft, sampling, runtime, prompts, output, chat_template, "
+            "train)",
         ),
         ({}, "recipe.target.model: required"),
         ({"target": {"model": ""}}, "recipe.target.model: must not be empty"),

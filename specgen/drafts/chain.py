@@ -1,10 +1,16 @@
 """Chained drafting, shared by EAGLE-3 and MTP: one pass over the new entries, then K - 1 single steps.
 
-Contract. A chained draft provides two hooks:
-- `_pass(feature [B, T, H], tokens [B, T], cache, attn) -> hidden [B, T, H]`: entry j pairs the
-  feature of position p_j = attn.positions[:, j] with the token at p_j + 1, writes its draft-cache
-  entry at p_j and returns the layer's pre-norm output (which predicts the token at p_j + 2);
-- `_logits(hidden [B, H]) -> logits [B, V]` over the TARGET vocabulary.
+Contract. A chained draft provides:
+- `first_feature(aux) -> feature [B, T, H]`: the first pass's feature from the captured target
+  hidden states (EAGLE-3: `fc` over low|mid|high; MTP: the target's final norm);
+- `pass_with(feature [B, T, H], tokens [B, T], positions [B, T], attention) -> hidden [B, T, H]`:
+  entry j pairs the feature of position p_j with the token at p_j + 1 and returns the layer's
+  pre-norm output (which predicts the token at p_j + 2); `attention` binds where keys live
+  (models/layers.py `Attention`), and `_pass(feature, tokens, cache, attn)` is `pass_with` bound to
+  the draft's KV cache, whose entry for p_j sits at p_j;
+- `draft_logits(hidden [..., H]) -> [..., Vd]` over its own vocabulary, and `_logits(hidden [B, H])
+  -> [B, V]` over the TARGET vocabulary.
+Draft training (training/unroll.py) runs the same `pass_with` with its own key memory.
 
 `chain_propose` runs the first pass over all T new entries and reads row `last_index` (the last
 committed position), then K - 1 single-token passes, each feeding back the previous pre-norm output as

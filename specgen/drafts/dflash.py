@@ -178,29 +178,26 @@ class DFlashAttention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(x.shape[0], x.shape[1], n, self.head_dim)
 
-    def write_context(self, ctx, cos, sin, cache: KVCache, layer: int, positions, rows) -> None:
-        # ctx: [B, T, H] fused features; their K/V go to the cache at their own positions.
+    def context_kv(self, ctx, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        # ctx: [B, T, H] fused features -> their keys (k_norm, RoPE) and values [B, T, Hkv, D]
         q_rows = self.heads * self.head_dim
         bias = self.qkv_proj.bias[q_rows:] if self.qkv_proj.bias is not None else None
         k, v = F.linear(ctx, self.qkv_proj.weight[q_rows:], bias).chunk(2, dim=-1)
         k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)), cos, sin)
-        cache.write(layer, rows, positions, k, self._heads(v, self.kv_heads))
+        return k, self._heads(v, self.kv_heads)
 
-    def forward(self, x, cos, sin, cache: KVCache, layer: int, mask, rows) -> torch.Tensor:
-        # x: [B, L, H] normed block; mask: [B, 1, L, kv_len + L]; rows: [B] | None -> [B, L, H]
+    def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
+        # x: [B, L, H] normed block; context_k, context_v: [B, Hkv, kv_len, D];
+        # mask: [B, 1, L, kv_len + L] -> [B, L, H]
         batch, length, _ = x.shape
-        kv_len = mask.shape[-1] - length
         q, k, v = self.qkv_proj(x).split(
             [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
             dim=-1)
         q = apply_rope(self.q_norm(self._heads(q, self.heads)), cos, sin).transpose(1, 2)
         k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)), cos, sin).transpose(1, 2)
         v = self._heads(v, self.kv_heads).transpose(1, 2)
-        keys, values = cache.k[layer][:, :, :kv_len], cache.v[layer][:, :, :kv_len]
-        if rows is not None:
-            keys, values = keys[rows], values[rows]
-        keys = torch.cat((keys.to(k.dtype), k), dim=2)
-        values = torch.cat((values.to(v.dtype), v), dim=2)
+        keys = torch.cat((context_k.to(k.dtype), k), dim=2)
+        values = torch.cat((context_v.to(v.dtype), v), dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
@@ -214,8 +211,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, layer, mask, rows):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer, mask, rows)
+    def forward(self, x, cos, sin, context_k, context_v, mask):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -268,7 +265,6 @@ class DFlashDraft(nn.Module):
                      attn: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
         # aux: [B, T, n * H]; next_tokens, positions: [B, T]; last_index: [B]
         # returns logits [B, K, V] (float32) of block indices 1..K and their positions [B, K]
-        target = self._target[0]
         batch = aux.shape[0]
         length = self.num_speculative_tokens + 1
         rows = torch.arange(batch, device=aux.device)
@@ -276,18 +272,33 @@ class DFlashDraft(nn.Module):
         anchor = next_tokens[rows, last_index]                                  # [B]
         anchor_pos = positions[rows, last_index] + 1                            # [B]
         block_pos = anchor_pos.unsqueeze(1) + torch.arange(length, device=aux.device)
-        masks = torch.full((batch, length - 1), self.mask_token_id, dtype=anchor.dtype, device=aux.device)
-        x = target.embed(torch.cat((anchor.unsqueeze(1), masks), 1))          # [B, L, H]
-        ctx = self.hidden_norm(self.fc(aux))                                    # [B, T, H]
+        x = self.embed_block(anchor.unsqueeze(1))                                # [B, L, H]
+        ctx = self.context(aux)                                                 # [B, T, H]
         cos_c, sin_c = rope_cos_sin(positions, self.inv_freq, x.dtype)
         cos_b, sin_b = rope_cos_sin(block_pos, self.inv_freq, x.dtype)
         layer_masks = block_masks(self.config, block_pos, attn.key_index)
+        kv_len = attn.key_index.shape[0]
         for i, layer in enumerate(self.layers):
             # The context enters k_proj / v_proj as is (no input_layernorm), like the reference.
-            layer.self_attn.write_context(ctx, cos_c, sin_c, cache, i, positions, cache_rows)
-            x = layer(x, cos_b, sin_b, cache, i, layer_masks[i], attn.rows)
+            cache.write(i, cache_rows, positions, *layer.self_attn.context_kv(ctx, cos_c, sin_c))
+            keys, values = cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len]
+            if attn.rows is not None:
+                keys, values = keys[attn.rows], values[attn.rows]
+            x = layer(x, cos_b, sin_b, keys, values, layer_masks[i])
+        return self.block_head(x[:, 1:]), block_pos[:, 1:]
+
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        # aux: [B, T, n * H] target features -> the fused context [B, T, H]
+        return self.hidden_norm(self.fc(aux))
+
+    def embed_block(self, anchors: torch.Tensor) -> torch.Tensor:
+        # anchors: [B, 1] -> embedded blocks [anchor, MASK x K]: [B, K + 1, H]
+        masks = anchors.new_full((anchors.shape[0], self.num_speculative_tokens), self.mask_token_id)
+        return self._target[0].embed(torch.cat((anchors, masks), 1))
+
+    def block_head(self, hidden: torch.Tensor) -> torch.Tensor:
         # The target's lm_head on the draft's own norm; the target's final norm is not applied.
-        return target.head(self.norm(x[:, 1:])), block_pos[:, 1:]
+        return self._target[0].head(self.norm(hidden))
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 last_index: torch.Tensor, cache: KVCache, attn: AttentionBatch,

@@ -29,10 +29,12 @@ from specgen.drafts.base import DraftBuilder, Pick, default_aux_layer_ids, read_
 from specgen.drafts.chain import chain_propose
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
+    Attention,
     CachedSelfAttention,
     GatedMLP,
     RMSNorm,
     RopeSettings,
+    cached,
     float32_logits,
     fuse_attention_and_mlp_keys,
     rope_cos_sin,
@@ -118,12 +120,12 @@ class Eagle3Layer(nn.Module):
         self.mlp = GatedMLP(h, cfg.intermediate_size)
         self.norm_before_residual = cfg.norm_before_residual
 
-    def forward(self, emb, feature, cos, sin, cache, batch: AttentionBatch):
+    def forward(self, emb, feature, cos, sin, attention: Attention):
         # emb, feature: [B, T, H] -> [B, T, H] (pre-norm output, fed back as the next feature)
         normed = self.hidden_norm(feature)
         residual = normed if self.norm_before_residual else feature
         x = torch.cat((self.input_layernorm(emb), normed), dim=-1)  # embedding first
-        h = residual + self.self_attn(x, cos, sin, cache, 0, batch)
+        h = residual + attention(self.self_attn, x, cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -165,21 +167,32 @@ class Eagle3Draft(nn.Module):
         full = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
         return full.index_copy(1, self.draft_to_target, draft_logits)
 
+    def first_feature(self, aux: torch.Tensor) -> torch.Tensor:
+        # aux: [B, T, 3 * H_target] low|mid|high -> the first pass's feature [B, T, H]
+        return self.fc(aux)
+
+    def pass_with(self, feature, tokens, positions, attention: Attention):
+        # feature: [B, T, H]; tokens, positions: [B, T] -> pre-norm hidden [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, feature.dtype)
+        return self.layer(self.embed(tokens), feature, cos, sin, attention)
+
     def _pass(self, feature, tokens, cache, attn: AttentionBatch):
-        # feature: [B, T, H]; tokens: [B, T] at attn.positions -> pre-norm hidden [B, T, H]
-        cos, sin = rope_cos_sin(attn.positions, self.inv_freq, feature.dtype)
-        return self.layer(self.embed(tokens), feature, cos, sin, cache, attn)
+        return self.pass_with(feature, tokens, attn.positions, cached(cache, 0, attn))
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., H] pre-norm -> logits [..., Vd] (float32) over the DRAFT vocabulary
+        return float32_logits(self.norm(hidden), self.lm_head.weight)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, H] pre-norm -> logits [B, V] (float32) over the target vocabulary
-        return self.target_logits(float32_logits(self.norm(hidden), self.lm_head.weight))
+        return self.target_logits(self.draft_logits(hidden))
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 last_index: torch.Tensor, cache: KVCache, attn: AttentionBatch,
                 pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
         # aux: [B, T, 3 * H_target]; next_tokens (token at p + 1), positions (p): [B, T]; last_index: [B]
         # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-        return chain_propose(self, self.fc(aux), next_tokens, last_index, cache, attn, pick)
+        return chain_propose(self, self.first_feature(aux), next_tokens, last_index, cache, attn, pick)
 
 
 def convert_eagle3_state_dict(state: dict[str, torch.Tensor], cfg: Eagle3Config,

@@ -32,7 +32,8 @@ Only `num_nextn_predict_layers` == 1 is supported. `embed_tokens` and `shared_he
 absent (or equal to the target's, as DeepSeek stores duplicates) they are shared with the target.
 
 The block is pluggable (`MTP_BLOCKS`, keyed by `model_type`): a block module exposes
-`decode(h [B, T, H], cache, attn) -> [B, T, H]` (positions in `attn`), `new_cache` and
+`decode(h [B, T, H], positions [B, T], attention) -> [B, T, H]` (`attention` binds the keys:
+a KV cache at inference, models/layers.py `cached`), `new_cache` and
 `init_buffers(device)`; an adapter rewrites its checkpoint keys. Only the Llama decoder layer is
 provided; the DeepSeek-V3 block (MLA + MoE) plugs in beside it.
 """
@@ -49,7 +50,9 @@ from specgen.drafts.base import DraftBuilder, Pick, read_draft_config
 from specgen.drafts.chain import chain_propose
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
+    Attention,
     RMSNorm,
+    cached,
     float32_logits,
     fuse_attention_and_mlp_keys,
     rope_cos_sin,
@@ -73,10 +76,10 @@ class LlamaMtpBlock(LlamaDecoderLayer):
     def init_buffers(self, device) -> None:
         self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
 
-    def decode(self, h, cache, attn: AttentionBatch):
-        # h: [B, T, H] at attn.positions -> [B, T, H]
-        cos, sin = rope_cos_sin(attn.positions, self.inv_freq, h.dtype)
-        return self(h, cos, sin, cache, 0, attn)
+    def decode(self, h, positions, attention: Attention):
+        # h: [B, T, H] at positions [B, T] -> [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
+        return self.residual(h, cos, sin, attention)
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.config
@@ -200,25 +203,33 @@ class MtpDraft(nn.Module):
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device):
         return self.block.new_cache(slots, max_len, dtype, device)
 
-    def _pass(self, feature, tokens, cache, attn: AttentionBatch):
-        # feature: [B, T, H]; tokens: [B, T] at attn.positions -> pre-norm block output [B, T, H]
-        x = self.eh_proj(torch.cat((self.enorm(self.embed(tokens)), self.hnorm(feature)), -1))
-        return self.block.decode(x, cache, attn)
+    def first_feature(self, aux: torch.Tensor) -> torch.Tensor:
+        # aux: [B, T, H] the target's last layer output -> after the target's final norm (docstring)
+        return self._target[0].final_norm(aux)
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [B, H] -> [B, V] float32
+    def pass_with(self, feature, tokens, positions, attention: Attention):
+        # feature: [B, T, H]; tokens, positions: [B, T] -> pre-norm block output [B, T, H]
+        x = self.eh_proj(torch.cat((self.enorm(self.embed(tokens)), self.hnorm(feature)), -1))
+        return self.block.decode(x, positions, attention)
+
+    def _pass(self, feature, tokens, cache, attn: AttentionBatch):
+        return self.pass_with(feature, tokens, attn.positions, cached(cache, 0, attn))
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., H] -> [..., V] float32 (the draft vocabulary is the target's)
         normed = self.shared_head.norm(hidden)
         if self.shared_head.head is None:
             return self._target[0].head(normed)
         return float32_logits(normed, self.shared_head.head.weight)
+
+    _logits = draft_logits
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 last_index: torch.Tensor, cache, attn: AttentionBatch,
                 pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
         # aux: [B, T, H] the target's last layer output (pre final norm); next_tokens, positions: [B, T]
         # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-        feature = self._target[0].final_norm(aux)            # the target's final norm (see docstring)
-        return chain_propose(self, feature, next_tokens, last_index, cache, attn, pick)
+        return chain_propose(self, self.first_feature(aux), next_tokens, last_index, cache, attn, pick)
 
 
 # ----------------------------------------------------------------------------------------- loading

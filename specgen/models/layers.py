@@ -9,6 +9,7 @@ with the host.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -121,16 +122,30 @@ class CachedSelfAttention(nn.Module):
         self.qkv_proj = nn.Linear(in_dim, (heads + 2 * kv_heads) * head_dim, bias=bias)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-                layer: int, batch: AttentionBatch) -> torch.Tensor:
-        # x: [B, T, in_dim] -> [B, T, hidden]
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # x: [B, T, in_dim] -> q [B, T, Hq, D], k and v [B, T, Hkv, D], RoPE applied to q and k
         B, T, _ = x.shape
         d = self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
         q = apply_rope(q.view(B, T, self.heads, d), cos, sin)
         k = apply_rope(k.view(B, T, self.kv_heads, d), cos, sin)
-        out = attend(q, k, v.view(B, T, self.kv_heads, d), cache, layer, batch)
-        return self.o_proj(out.reshape(B, T, -1))
+        return q, k, v.view(B, T, self.kv_heads, d)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+                layer: int, batch: AttentionBatch) -> torch.Tensor:
+        # x: [B, T, in_dim] -> [B, T, hidden]
+        out = attend(*self.project(x, cos, sin), cache, layer, batch)
+        return self.o_proj(out.reshape(*x.shape[:2], -1))
+
+
+# attention(module, x, cos, sin) -> [B, T, hidden]: how a layer's self-attention reaches its keys.
+# Inference binds a KV cache (`cached`); draft training binds its own key memory (training/unroll.py).
+Attention = Callable[[CachedSelfAttention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cached(cache: KVCache, layer: int, batch: AttentionBatch) -> Attention:
+    """Attention through the KV cache at `batch`'s positions (the inference path)."""
+    return lambda module, x, cos, sin: module(x, cos, sin, cache, layer, batch)
 
 
 def fuse_attention_and_mlp_keys(state: dict[str, torch.Tensor], prefix: str) -> None:
@@ -142,6 +157,22 @@ def fuse_attention_and_mlp_keys(state: dict[str, torch.Tensor], prefix: str) -> 
     gate, up = f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"
     if gate in state and up in state:
         state[f"{prefix}mlp.gate_up_proj.weight"] = fuse_rows(state.pop(gate), state.pop(up))
+
+
+def split_attention_and_mlp_keys(state: dict[str, torch.Tensor], prefix: str, q_rows: int,
+                                 kv_rows: int) -> None:
+    """The inverse of `fuse_attention_and_mlp_keys` (export in the published layouts), in place."""
+    for kind in ("weight", "bias"):
+        fused = f"{prefix}self_attn.qkv_proj.{kind}"
+        if fused in state:
+            q, k, v = state.pop(fused).split([q_rows, kv_rows, kv_rows], dim=0)
+            for name, part in zip("qkv", (q, k, v)):
+                state[f"{prefix}self_attn.{name}_proj.{kind}"] = part.contiguous()
+    fused = f"{prefix}mlp.gate_up_proj.weight"
+    if fused in state:
+        gate, up = state.pop(fused).chunk(2, dim=0)
+        state[f"{prefix}mlp.gate_proj.weight"] = gate.contiguous()
+        state[f"{prefix}mlp.up_proj.weight"] = up.contiguous()
 
 
 def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,12 @@ from torch import nn
 
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
+    Attention,
     CachedSelfAttention,
     GatedMLP,
     RMSNorm,
     RopeSettings,
+    cached,
     float32_logits,
     fuse_attention_and_mlp_keys,
     rope_cos_sin,
@@ -95,7 +97,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, h, cos, sin, cache, layer, batch: AttentionBatch):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, cache, layer, batch)
+        return self.residual(h, cos, sin, cached(cache, layer, batch))
+
+    def residual(self, h, cos, sin, attention: Attention):
+        # h: [B, T, H] -> [B, T, H]; `attention` decides where the keys come from
+        h = h + attention(self.self_attn, self.input_layernorm(h), cos, sin)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 

