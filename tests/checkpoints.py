@@ -110,3 +110,11 @@ def write_eagle3_checkpoint(folder: Path, config: dict, target: dict, *, layout:
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+def load_fp32_target(folder: Path):
+    """Our model for a checkpoint folder, fp32 on the CPU (what most tests compare)."""
+    from specgen.checkpoints import read_config
+    from specgen.checkpoints.loading import load_target
+
+    return load_target(read_config(folder), folder, dtype=torch.float32, device="cpu", dummy=False)

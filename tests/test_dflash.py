@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import tiny_llama_config, write_llama_checkpoint
+from checkpoints import load_fp32_target, tiny_llama_config, write_llama_checkpoint
 from checkpoints_dflash import tiny_dflash_config, write_dflash_checkpoint
 from model_calls import propose
 from safetensors.torch import load_file, save_file
@@ -30,7 +30,6 @@ from specgen.checkpoints import CheckpointError, read_config
 from specgen.drafts.dflash import DFlashConfig, default_target_layer_ids, dummy_dflash_config
 from specgen.job import build_runner, resolve
 from specgen.checkpoints.loading import load_draft as load_method_draft
-from specgen.checkpoints.loading import load_target
 from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
 
@@ -45,7 +44,7 @@ def target_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    return load_target(read_config(target_dir), target_dir, dtype=torch.float32, device="cpu", dummy=False)
+    return load_fp32_target(target_dir)
 
 
 def load_draft(folder: Path, target, k: int | None = 4):

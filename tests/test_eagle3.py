@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
+from checkpoints import load_fp32_target, tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
 from model_calls import propose
 from safetensors.torch import load_file, save_file
 
@@ -36,7 +36,7 @@ def target_dir(tmp_path_factory) -> Path:
 
 
 def load_tgt(folder: Path):
-    return load_target(read_config(folder), folder, dtype=torch.float32, device="cpu", dummy=False)
+    return load_fp32_target(folder)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import tiny_llama_config, write_llama_checkpoint
+from checkpoints import load_fp32_target, tiny_llama_config, write_llama_checkpoint
 from model_calls import logits as forward_logits
 from model_calls import propose
 from safetensors import safe_open
@@ -25,7 +25,6 @@ from specgen.checkpoints import CheckpointError, read_config
 from specgen.checkpoints.loading import has_draft_layers
 from specgen.drafts.mtp import MtpConfig, dummy_mtp_config
 from specgen.checkpoints.loading import load_draft as load_method_draft
-from specgen.checkpoints.loading import load_target
 from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
 
@@ -105,7 +104,7 @@ def target_dir(tmp_path_factory) -> Path:
 
 
 def load_tgt(folder: Path):
-    return load_target(read_config(folder), folder, dtype=torch.float32, device="cpu", dummy=False)
+    return load_fp32_target(folder)
 
 
 @pytest.fixture(scope="module")

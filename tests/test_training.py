@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import tiny_llama_config, write_llama_checkpoint
+from checkpoints import load_fp32_target, tiny_llama_config, write_llama_checkpoint
 from model_calls import attn
 
 from specgen.checkpoints import read_config
-from specgen.checkpoints.loading import load_draft, load_target
+from specgen.checkpoints.loading import load_draft
 from specgen.recipe import TrainSpec, recipe_from_dict
 from specgen.training.blocks import block_logits, sample_anchors
 from specgen.training.features import padded_batch, target_features
@@ -36,7 +36,7 @@ def target_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    return load_target(read_config(target_dir), target_dir, dtype=torch.float32, device="cpu", dummy=False)
+    return load_fp32_target(target_dir)
 
 
 def fresh_draft(method: str, target, spec: TrainSpec, seed: int = 0):

@@ -112,8 +112,8 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
         raise BenchError(str(err)) from err
     try:
         resolved = resolve(replace(base, draft=replace(base.draft, method="none")))
-        for recipe in recipes:      # every draft checkpoint is found before any model loads
-            resolve(recipe)
+        # every draft checkpoint is found before any model loads, once
+        found = [resolve(recipe) for recipe in recipes]
     except JobError as err:
         raise BenchError(str(err)) from err
     target = load_target(resolved.target_config, resolved.target_folder, dtype=resolved.dtype,
@@ -138,19 +138,20 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
     if skipped:
         status(f"skipped {skipped} prompts longer than {room} tokens (runtime.max_seq_len - --max-tokens)")
 
-    configs: list[tuple[str, Recipe | None]] = []
+    # (label, recipe, its resolved checkpoints); hf has no recipe
+    configs: list[tuple[str, Recipe | None, object]] = []
     if "ar" in options.baselines:
-        configs.append(("ar", replace(base, draft=replace(base.draft, method="none"))))
-    for n, recipe in enumerate(recipes):
+        configs.append(("ar", replace(base, draft=replace(base.draft, method="none")), resolved))
+    for n, (recipe, checkpoints) in enumerate(zip(recipes, found)):
         label = _label(recipe)
-        if any(label == name for name, _ in configs):       # two recipes of one method and K
+        if any(label == name for name, _, _ in configs):       # two recipes of one method and K
             label = f"{label} ({recipe.source.stem if recipe.source else n + 1})"
-        configs.append((label, recipe))
+        configs.append((label, recipe, checkpoints))
     if "hf" in options.baselines:
         if base.target.load_format == "dummy":
             status("hf baseline skipped: target.load_format is dummy (transformers needs weights)")
         else:
-            configs.append(("hf", None))
+            configs.append(("hf", None, resolved))
     report = BenchReport(source, len(prompts), options, _device_name(resolved.device),
                          str(resolved.dtype).removeprefix("torch."), torch.get_num_threads())
 
@@ -169,10 +170,10 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                     build_runner, status) -> list[Measurement]:
     """Warm-up, interleaved timed repeats, then the eager time split, for one batch size."""
     runners, measurements = {}, {}
-    counters: dict[str, SpecCounters | None] = {name: None for name, _ in configs}
-    steps = {name: [0, 0.0] for name, _ in configs}        # steps and seconds over the timed runs
+    counters: dict[str, SpecCounters | None] = {name: None for name, _, _ in configs}
+    steps = {name: [0, 0.0] for name, _, _ in configs}        # steps and seconds over the timed runs
     try:
-        for name, recipe in configs:
+        for name, recipe, checkpoints in configs:
             status(f"batch {batch}: warming up {name}")
             start = time.perf_counter()
             if recipe is None:
@@ -182,13 +183,13 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                                            base.sampling, tokenizer)
                 runners[name].generate(prompts[:batch], batch, options.max_tokens)
             else:
-                runners[name] = _specgen_runner(recipe, resolved, batch, options, prompts, target, tokenizer,
-                                                build_runner)
+                runners[name] = _specgen_runner(recipe, checkpoints, batch, options, prompts, target,
+                                                tokenizer, build_runner)
                 _run_specgen(runners[name], prompts[:batch], options.max_tokens, "warm")
             measurements[name] = Measurement(name, batch, [], 0, time.perf_counter() - start,
                                              runners[name].compiled)
         for repeat in range(options.repeats):
-            for name, recipe in configs:        # interleaved: machine drift hits every config alike
+            for name, recipe, _ in configs:     # interleaved: machine drift hits every config alike
                 status(f"batch {batch}: {name}, run {repeat + 1} of {options.repeats}")
                 m = measurements[name]
                 _reset_peak_memory(resolved.device)
@@ -209,14 +210,15 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
     finally:
         for runner in runners.values():     # before the eager twins: their caches need the room
             runner.close()
-    for name, recipe in configs:
+    for name, recipe, checkpoints in configs:
         m = measurements[name]
         if counters[name] is not None:
             m.spec = counters[name].to_dict()
         if recipe is not None:
             m.step_ms = 1000 * steps[name][1] / max(1, steps[name][0])
             status(f"batch {batch}: time split of {name} (eager)")
-            m.split_ms = _time_split(recipe, resolved, batch, options, prompts, target, tokenizer, build_runner)
+            m.split_ms = _time_split(recipe, checkpoints, batch, options, prompts, target, tokenizer,
+                                     build_runner)
     ar, hf = measurements.get("ar"), measurements.get("hf")
     for m in measurements.values():
         if ar is not None:
@@ -234,12 +236,7 @@ def _specgen_runner(recipe: Recipe, resolved, batch: int, options: BenchOptions,
                       compile=recipe.runtime.compile if compile is None else compile)
     recipe = replace(recipe, sampling=sampling, runtime=runtime)
     expected = (options.repeats + 1) * len(prompts) * options.max_tokens // batch
-    draft_resolved = resolved
-    if recipe.draft.enabled:
-        from specgen.job import resolve
-
-        draft_resolved = resolve(recipe)
-    runner, _, _ = build_runner(recipe, draft_resolved, 0, expected_steps=expected, target=target,
+    runner, _, _ = build_runner(recipe, resolved, 0, expected_steps=expected, target=target,
                                 tokenizer=tokenizer)
     return runner
 
