@@ -22,7 +22,7 @@ METHODS = {"none": [], "eagle3": ["draft.num_speculative_tokens=3"],
 
 
 def ms_per_step(recipe_path: str, method: str, batch: int, steps: int, compile: bool) -> float:
-    overrides = [f"draft.method={method}", "draft.load_format=dummy", "draft.model=null",
+    overrides = [f"draft.method={method}", "draft.load_format=dummy", "draft.model=null", "train=null",
                  f"runtime.batch_size={batch}", "sampling.ignore_eos=true",
                  f"runtime.compile={str(compile).lower()}", *METHODS[method]]
     recipe = load_recipe(recipe_path, overrides)

@@ -193,10 +193,11 @@ def request_key(request_id: str) -> int:
 
 
 # CPU, `runtime.compile: auto`: compile only a job long enough to win the compile time back.
-# Measured on 2 cores (SmolLM2): with frozen weights (steps of <= 4 rows, see
-# pipelines/compiled.py) compiling takes ~50 s and saves ~20 ms of a ~60 ms step; without (larger
-# batches) ~15 s, 10 s once Inductor's disk cache holds it, and saves ~18 ms of a ~130 ms step.
-CPU_COMPILE_MIN_STEPS = {"frozen": 2500, "not frozen": 800}
+# Measured on 2 cores (SmolLM2, batch 1): with frozen weights (every step up to 64 rows, see
+# pipelines/compiled.py) compiling takes 50-70 s each run (frozen graphs miss Inductor's graph
+# cache; its kernels and autotuning results are cached) and saves ~40 ms of a ~65 ms eager step.
+# Without (larger steps) ~15 s, 10 s once Inductor's disk cache holds it, and saves ~18 ms of ~130.
+CPU_COMPILE_MIN_STEPS = {"frozen": 1800, "not frozen": 800}
 
 
 def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | None,

@@ -18,7 +18,8 @@ def test_auto_compiles_on_cuda_and_only_long_jobs_on_cpu():
     assert decide_compile(recipe(), CUDA, 10, rows=8)[0] is True
     short, why = decide_compile(recipe(), CPU, 100, rows=16)
     assert short is False and "about 100 steps, too few" in why and "runtime.compile: true" in why
-    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["not frozen"], rows=16)[0] is True
+    # many rows per step (above CPU_FREEZE_MAX_ROWS): not frozen, which compiles faster
+    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["not frozen"], rows=128)[0] is True
     # few rows per step: weights are frozen, which compiles longer, so the job must be longer
     assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["not frozen"], rows=4)[0] is False
     assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["frozen"], rows=4)[0] is True

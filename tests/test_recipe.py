@@ -275,3 +275,14 @@ def test_compile_and_threads_take_auto():
     recipe = recipe_from_dict(apply_overrides(base, ["runtime.compile=false", "runtime.threads=3"]))
     assert recipe.runtime.compile is False and recipe.runtime.threads == 3
     assert recipe_from_dict(recipe.to_dict()) == recipe
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_shipped_recipes_load_and_run_without_their_draft(path):
+    # Every recipe in recipes/ is valid as shipped, and `--set draft.method=none` (the README's plain
+    # baseline) still loads: a train section has nothing to train then and is set aside.
+    recipe = load_recipe(path)
+    plain = load_recipe(path, ["draft.method=none"])
+    assert plain.draft.method == "none" and plain.train is None
+    assert recipe.train is None or recipe.draft.model is not None

@@ -242,8 +242,10 @@ def test_train_fields_are_checked_per_method():
     text = str(err.value)
     assert "recipe.train.block_size: applies to draft.method dflash only, not eagle3" in text
     assert "recipe.train.epochs: must be > 0" in text and "recipe.train.eval_ks: expected a non-empty list" in text
-    with pytest.raises(RecipeError, match="recipe.train: needs a draft.method"):
-        recipe_from_dict({"target": {"model": "m"}, "train": {}})
+    # the same recipe runs without its draft: the section is checked, then set aside
+    assert recipe_from_dict({**base, "draft": {"method": "none"}, "train": {"ttt_steps": 2}}).train is None
+    with pytest.raises(RecipeError, match="recipe.train.epochs: must be > 0"):
+        recipe_from_dict({"target": {"model": "m"}, "train": {"epochs": 0}})
     recipe = recipe_from_dict({**base, "train": {"ttt_steps": 2}})
     assert recipe.train.ttt_steps == 2 and recipe_from_dict(recipe.to_dict()) == recipe
 

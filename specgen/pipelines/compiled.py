@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,7 +31,7 @@ from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, Unifi
 from specgen.sampling import SamplingTensors
 
 
-CPU_FREEZE_MAX_ROWS = 4
+CPU_FREEZE_MAX_ROWS = 64
 
 
 def freezes(device: torch.device, rows: int) -> bool:
@@ -44,13 +45,34 @@ def use_compile_cache(directory: Path) -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(directory / "triton"))
 
 
-def _under_freezing(compiled, freezing: bool):
-    """Inductor reads `freezing` from its global config when it compiles, and it compiles at a call
-    (the first, or a recompile), not at torch.compile(): `options={"freezing": ...}` never reaches
-    it (measured: no weight was folded or prepacked). So every call runs under the setting; the
-    patch costs microseconds against a step of milliseconds."""
+# Frozen CPU steps also take Inductor's C++ GEMM template (weights prepacked into its blocked
+# layout, a micro-kernel per shape) where it wins its autotuning against oneDNN/MKL. A step's GEMMs
+# have few rows (K + 1 per slot), where MKL's sgemm repacks the weights at every call: on 2 cores,
+# SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1 row (frozen, oneDNN), and 19 ms at
+# both with the template. It needs frozen weights (constants to prepack). The autotuning report is
+# kept off the user's terminal.
+# Inductor's CPU autotuning calls a deprecated storage API: a warning no user can act on.
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+
+CPU_FROZEN_SETTINGS = {
+    "max_autotune_gemm": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
+
+
+def _under_settings(compiled, freezing: bool, device: torch.device):
+    """Inductor reads `freezing` (and the GEMM settings) from its global config when it compiles,
+    and it compiles at a call (the first, or a recompile), not at torch.compile():
+    `options={"freezing": ...}` never reaches it (measured: no weight was folded or prepacked). So
+    every call runs under the settings; the patch costs microseconds against a step of milliseconds."""
+    settings = {"freezing": freezing}
+    if freezing and device.type == "cpu":
+        settings.update(CPU_FROZEN_SETTINGS)
+
     def call(*args):
-        with inductor_config.patch(freezing=freezing):
+        with inductor_config.patch(settings):
             return compiled(*args)
     return call
 
@@ -72,11 +94,14 @@ class StepFunctions:
         if not self.compiled:
             return
         # Weights never change during a run: on CPU Inductor can fold them in as constants
-        # ("freezing") and prepack them for oneDNN. Measured on 2 CPU cores (SmolLM2, fp32, kv 128,
-        # ms per compiled step, not frozen / frozen): 1 row 49.9 / 38.4; 4 rows 76.2 / 72.1; 16 rows
-        # 87.8 / 105.2; at 8 rows benchmarks/vs_transformers.py --compile fell from 1.35x to 0.99x
-        # frozen. So freeze where the step's GEMMs have few rows. Not on CUDA: nothing is
-        # prepacked there, and frozen graphs bypass Inductor's on-disk graph cache.
+        # ("freezing"), prepack them, and pick each GEMM's kernel (CPU_FROZEN_SETTINGS). Measured
+        # on 2 CPU cores (SmolLM2, fp32, benchmarks/step_cost.py --compile, ms per step): batch 1,
+        # frozen with oneDNN's prepacking only: 47 (plain, 1 row), 95 (EAGLE-3 K = 3, 4 rows);
+        # frozen with the C++ template: 19-22 and 30. Batch 8, not frozen / frozen with the
+        # template: 8 rows 76.8 / 48.5; 32 rows 181.8 / 163.5; 64 rows 288.7 / 272.2 (oneDNN's
+        # prepacking alone had made 16 rows slower frozen). So freeze every CPU step up to the
+        # sizes measured. Not on CUDA: nothing is prepacked there, and frozen graphs bypass
+        # Inductor's on-disk graph cache.
         rows = state.pending.numel()
         self.frozen = freezes(device, rows)
         options = {}
@@ -90,12 +115,12 @@ class StepFunctions:
             for t in (*state.tensors(), *caches.tensors(), *unified.target.static_tensors(),
                       *sampling.tensors()):
                 torch._dynamo.mark_static_address(t)
-        self._step = _under_freezing(
-            torch.compile(unified.step, fullgraph=True, dynamic=False, options=options), self.frozen)
+        self._step = _under_settings(
+            torch.compile(unified.step, fullgraph=True, dynamic=False, options=options), self.frozen, device)
         self.prefill_compiled = compile_prefill if compile_prefill is not None else device.type == "cuda"
         if self.prefill_compiled:
-            self._prefill = _under_freezing(
-                torch.compile(unified.prefill, fullgraph=True, dynamic=True), self.frozen)
+            self._prefill = _under_settings(
+                torch.compile(unified.prefill, fullgraph=True, dynamic=True), self.frozen, device)
 
     def key_index(self, kv_len: int) -> torch.Tensor:
         """The arange whose length bounds the keys the reference attention reads (one per bucket)."""
