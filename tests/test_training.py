@@ -260,6 +260,11 @@ def test_train_draft_needs_a_train_section(tmp_path):
     recipe.write_text(yaml.safe_dump({"target": {"model": "m"}, "draft": {"method": "mtp"}}))
     result = CliRunner().invoke(app, ["train-draft", str(recipe)], terminal_width=200)
     assert result.exit_code == 2 and "recipe.train: required by train-draft" in result.output
+    # a recipe with a train section, run without its draft: nothing to train, said so
+    recipe.write_text(yaml.safe_dump({"target": {"model": "m"}, "draft": {"method": "mtp", "model": "out"},
+                                      "train": {"epochs": 1}}))
+    result = CliRunner().invoke(app, ["train-draft", str(recipe), "--set", "draft.method=none"], terminal_width=200)
+    assert result.exit_code == 2 and "recipe.draft.method: none: train-draft needs a draft" in result.output
 
 
 def test_sharegpt_split_is_stable_disjoint_and_deduplicated():

@@ -45,15 +45,15 @@ def use_compile_cache(directory: Path) -> None:
     os.environ.setdefault("TRITON_CACHE_DIR", str(directory / "triton"))
 
 
-# Frozen CPU steps also take Inductor's C++ GEMM template (weights prepacked into its blocked
-# layout, a micro-kernel per shape) where it wins its autotuning against oneDNN/MKL. A step's GEMMs
-# have few rows (K + 1 per slot), where MKL's sgemm repacks the weights at every call: on 2 cores,
-# SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1 row (frozen, oneDNN), and 19 ms at
-# both with the template. It needs frozen weights (constants to prepack). The autotuning report is
-# kept off the user's terminal.
 # Inductor's CPU autotuning calls a deprecated storage API: a warning no user can act on.
 warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
 
+# Frozen CPU steps also take Inductor's C++ GEMM template (weights prepacked into its blocked
+# layout, a micro-kernel per shape) where it wins its autotuning against oneDNN/MKL. A step's GEMMs
+# have few rows (K + 1 per slot), a shape those libraries run far from the memory bound: on 2 cores,
+# SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1 row (frozen, oneDNN), and 19 ms at
+# both with the template. It needs frozen weights (constants to prepack). The autotuning report is
+# kept off the user's terminal.
 CPU_FROZEN_SETTINGS = {
     "max_autotune_gemm": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
