@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
@@ -58,21 +59,28 @@ def run(
     def on_status(line: str) -> None:
         bar.console.print(line, highlight=False)
 
-    try:
+    with _stopping_cleanly(bar, JobError, f"Finished results are safe in {out}; run the same command "
+                                          "again to resume (ids already written are skipped)."):
         summary = run_job(parsed, prompts=prompts, output=output, limit=limit, resume=not no_resume,
                           on_start=on_start, on_progress=on_progress, on_status=on_status)
-    except JobError as err:
+    _print_summary(summary)
+
+
+@contextmanager
+def _stopping_cleanly(bar: Progress, expected: type[Exception], resume_hint: str):
+    """Around a long command: the bar always stops; an `expected` error prints as one line (exit 1),
+    Ctrl-C as the hint to resume (exit 130). Anything else is a bug and keeps its traceback."""
+    try:
+        yield
+    except expected as err:
         bar.stop()
         console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         bar.stop()
-        console.print(f"\n[yellow]interrupted.[/yellow] Finished results are safe in {out}; run the same "
-                      "command again to resume (ids already written are skipped).", highlight=False,
-                      soft_wrap=True)
+        console.print(f"\n[yellow]interrupted.[/yellow] {resume_hint}", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     bar.stop()
-    _print_summary(summary)
 
 
 @app.command("train-draft")
@@ -114,19 +122,9 @@ def train_draft(
     def on_status(line: str) -> None:
         bar.console.print(line, highlight=False, soft_wrap=True)
 
-    try:
+    with _stopping_cleanly(bar, TrainError, "The last checkpoint is kept; run the same command again to resume."):
         summary = run_training(parsed, restart=restart, on_status=on_status, on_progress=on_progress,
                                on_data_progress=on_data)
-    except TrainError as err:
-        bar.stop()
-        console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        bar.stop()
-        console.print("\n[yellow]interrupted.[/yellow] The last checkpoint is kept; run the same command "
-                      "again to resume.", highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
-    bar.stop()
     best = [r for r in summary.acceptance if r.k is not None]
     line = f"trained {summary.steps} steps ({summary.tokens_seen:,} tokens) in {summary.train_seconds / 60:.1f} min"
     if best:
