@@ -47,6 +47,11 @@ DRAFT_METHODS: dict[str, DraftMethod] = {m.name: m for m in (
 
 TARGET_ARCHITECTURES: dict[str, TargetArchitecture] = {a.name: a for a in (
     TargetArchitecture("LlamaForCausalLM", "specgen.models.llama", ("llama",), ("eagle3", "dflash", "mtp")),
+    TargetArchitecture("DeepseekV3ForCausalLM", "specgen.models.deepseek_v3", ("deepseek_v3",),
+                       ("mtp", "eagle3", "dflash")),
+    # Kimi K2 / K2.5 ship no MTP layer (num_nextn_predict_layers: 0): EAGLE-3 and DFlash drafts only
+    TargetArchitecture("KimiK25ForConditionalGeneration", "specgen.models.kimi_k25", ("kimi_k25",),
+                       ("eagle3", "dflash")),
 )}
 
 # Every value `draft.method` may take.

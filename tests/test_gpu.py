@@ -99,3 +99,36 @@ def test_batch_64_with_ragged_prompts_and_refills(checkpoints):
     big, totals = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32", batch=64), ids)
     small, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32", batch=3, compile=False), ids)
     assert big == small and totals.requests == 150
+
+
+@pytest.fixture(scope="module")
+def deepseek_pairings(tmp_path_factory):
+    from test_deepseek_pairings import write_pairings
+
+    return write_pairings(tmp_path_factory.mktemp("gpu-deepseek"), 512)
+
+
+
+def deepseek_recipe(target, method, draft, k):
+    d = {"method": method}
+    if method != "none":
+        d["num_speculative_tokens"] = k
+    if draft is not None:
+        d["model"] = str(draft)    # MTP has none: its layer is read from the target checkpoint
+    return recipe_from_dict({
+        "target": {"model": str(target), "dtype": "bfloat16"}, "draft": d,
+        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7},
+        "runtime": {"device": "cuda", "batch_size": 4, "max_seq_len": 512, "compile": True},
+        "chat_template": False,
+    })
+
+
+@pytest.mark.parametrize("name", ["deepseek-mtp", "deepseek-eagle3", "kimi-eagle3-mla", "kimi-dflash"])
+def test_bf16_deepseek_pairings_equal_plain_in_cuda_graphs(deepseek_pairings, name):
+    """MLA (latent cache through the attention kernel, head dim kv_lora_rank + rope) and MoE (grouped
+    GEMM in bf16) inside the CUDA graph, for each DeepSeek-V3 / Kimi K2.5 pairing."""
+    target, method, draft, k = deepseek_pairings[name]
+    ids = prompts(vocab=512)
+    plain, _ = tokens_of(deepseek_recipe(target, "none", None, k), ids)
+    spec, totals = tokens_of(deepseek_recipe(target, method, draft, k), ids)
+    assert spec == plain and totals.spec.num_drafts > 0

@@ -3,7 +3,10 @@
 Contract: `read_tensors(files, device=..., dtype=...)` returns the tensors of the files keyed by
 name (optionally those under a prefix, optionally stripped of it). Each tensor is read onto `device`
 (`safe_open(device=...)`) and cast to `dtype` at once when floating, one tensor at a time, so the
-checkpoint never sits in memory twice. `tensor_names(folder)` reads headers only.
+checkpoint never sits in memory twice. Block-FP8 weights (`weight_scale_inv` beside them, DeepSeek's
+release format) stay FP8 until the whole read is done, then are dequantised to `dtype`
+(checkpoints/quantized.py), whichever shards the weight and its scale sit in.
+`tensor_names(folder)` reads headers only.
 """
 
 from __future__ import annotations
@@ -14,23 +17,39 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from specgen.checkpoints.quantized import FP8_DTYPES, dequantize_state, is_scale
 from specgen.checkpoints.store import CheckpointError, weight_files
+
+# Tensors that stay float32 in any run dtype (transformers keeps them so too): the MoE router's
+# score-correction bias decides expert choices by small margins.
+FLOAT32_TENSORS = ("e_score_correction_bias",)
+
+
+def keeps_float32(name: str) -> bool:
+    return name.endswith(FLOAT32_TENSORS)
 
 
 def read_tensors(files: list[Path], *, prefix: str = "", strip_prefix: bool = False,
-                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+                 device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
+                 fp8_block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
+    """`fp8_block`: the config's `quantization_config.weight_block_size` (None: from the scales)."""
     state: dict[str, torch.Tensor] = {}
+    quantized = False
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for key in f.keys():
                     if key.startswith(prefix):
                         tensor = f.get_tensor(key)
-                        if dtype is not None and tensor.is_floating_point():
-                            tensor = tensor.to(dtype)
+                        fp8 = tensor.dtype in FP8_DTYPES or is_scale(key)   # dequantised below
+                        quantized = quantized or fp8
+                        if dtype is not None and tensor.is_floating_point() and not fp8:
+                            tensor = tensor.to(torch.float32 if keeps_float32(key) else dtype)
                         state[key[len(prefix):] if strip_prefix else key] = tensor
         except (OSError, RuntimeError, ValueError) as err:
             raise CheckpointError(f"{path}: cannot read safetensors: {err}") from err
+    if quantized:
+        dequantize_state(state, dtype=dtype, where=str(files[0].parent), block=fp8_block)
     return state
 
 

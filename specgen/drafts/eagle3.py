@@ -7,7 +7,11 @@ Checkpoint layouts read (../shared/reference/README.md):
   draft vocabulary is reduced (`draft_vocab_size` < `vocab_size`); none for a full vocabulary;
 - `embed_tokens.weight` optional: absent means the target's embedding is shared;
 - aux layer ids at `eagle_config.eagle_aux_hidden_state_layer_ids` (layer outputs) or the default;
-- its own RoPE settings (`rope_theta`, `rope_scaling` / `rope_parameters`), often theta 10000.
+- its own RoPE settings (`rope_theta`, `rope_scaling` / `rope_parameters`), often theta 10000;
+- the layer's attention is Llama-style GQA (`q_proj`/`k_proj`/`v_proj`), or MLA when the config has
+  `kv_lora_rank` (nvidia's Kimi-K2.5-Thinking-Eagle3: `q_a_proj`/`kv_a_proj_with_mqa` read the
+  2H-wide input, yarn rope on the rope dims). Either way the draft keeps its own cache (a one-layer
+  KV or latent cache), independent of the target's.
 
 Drafting (DESIGN.md section 3, step 5). Entry j of a pass pairs the feature of position p_j with the
 embedding of the token at p_j + 1 and predicts the token at p_j + 2; its draft-cache entry sits at
@@ -41,6 +45,7 @@ from specgen.models.layers import (
     rope_inv_freq,
 )
 from specgen.models.materialise import build
+from specgen.models.mla import LatentAttention, LatentCache, MlaDims
 from specgen.models.protocol import TargetShape
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
@@ -60,6 +65,7 @@ class Eagle3Config:
     draft_vocab_size: int
     aux_layer_ids: tuple[int, ...]
     norm_before_residual: bool = False
+    mla: MlaDims | None = None        # MLA attention (config has kv_lora_rank), else GQA
 
     @classmethod
     def from_hf(cls, config: dict, *, target_layers: int, target_hidden: int,
@@ -93,19 +99,28 @@ class Eagle3Config:
             draft_vocab_size=int(config.get("draft_vocab_size") or vocab),
             aux_layer_ids=ids,
             norm_before_residual=bool(config.get("norm_before_residual", False)),
+            mla=MlaDims.from_hf(config) if config.get("kv_lora_rank") else None,
         )
+
+    @property
+    def rope_dim(self) -> int:
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def num_parameters(self, tensors: frozenset[str] = frozenset()) -> int:
         """Parameters, given the checkpoint's tensor names (an own `embed_tokens` counts too)."""
         own_embedding = "embed_tokens.weight" in tensors
         h, d = self.hidden_size, self.head_dim
         attn = 2 * h * (self.num_heads + 2 * self.num_kv_heads) * d + self.num_heads * d * h
+        if self.mla is not None:
+            attn = self.mla.parameters(2 * h, h)
         layer = attn + 3 * h * self.intermediate_size + 3 * h
         embed = self.vocab_size * h if own_embedding else 0
         return (layer + len(self.aux_layer_ids) * self.target_hidden_size * h + h
                 + self.draft_vocab_size * h + embed)
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        if self.mla is not None:
+            return LatentCache.bytes_per_token(1, self.mla.latent_dim, dtype)
         return KVCache.bytes_per_token(1, self.num_kv_heads, self.head_dim, dtype)
 
 
@@ -115,7 +130,10 @@ class Eagle3Layer(nn.Module):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = CachedSelfAttention(2 * h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.mla is not None:
+            self.self_attn = LatentAttention(2 * h, h, cfg.mla)
+        else:
+            self.self_attn = CachedSelfAttention(2 * h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = GatedMLP(h, cfg.intermediate_size)
         self.norm_before_residual = cfg.norm_before_residual
@@ -143,11 +161,12 @@ class Eagle3Draft(nn.Module):
         # Held outside the module tree: the target's weights are neither saved nor loaded here.
         self._target = (target,)
         self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size), persistent=False)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+        self.rope_scale = cfg.rope.attention_factor()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope_dim, cfg.rope), persistent=False)
 
     def init_buffers(self, device) -> None:
         self.draft_to_target = torch.arange(self.config.draft_vocab_size, device=device)
-        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
+        self.inv_freq = rope_inv_freq(self.config.rope_dim, self.config.rope).to(device)
 
     @property
     def reduced_vocab(self) -> bool:
@@ -156,8 +175,10 @@ class Eagle3Draft(nn.Module):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens) if self.embed_tokens is not None else self._target[0].embed(tokens)
 
-    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache | LatentCache:
         c = self.config
+        if c.mla is not None:
+            return LatentCache(1, slots, max_len, c.mla.latent_dim, dtype, device)
         return KVCache(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
@@ -173,7 +194,7 @@ class Eagle3Draft(nn.Module):
 
     def pass_with(self, feature, tokens, positions, attention: Attention):
         # feature: [B, T, H]; tokens, positions: [B, T] -> pre-norm hidden [B, T, H]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, feature.dtype)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, feature.dtype, self.rope_scale)
         return self.layer(self.embed(tokens), feature, cos, sin, attention)
 
     def _pass(self, feature, tokens, cache, attn: AttentionBatch):

@@ -34,8 +34,9 @@ absent (or equal to the target's, as DeepSeek stores duplicates) they are shared
 The block is pluggable (`MTP_BLOCKS`, keyed by `model_type`): a block module exposes
 `decode(h [B, T, H], positions [B, T], attention) -> [B, T, H]` (`attention` binds the keys:
 a KV cache at inference, models/layers.py `cached`), `new_cache` and
-`init_buffers(device)`; an adapter rewrites its checkpoint keys. Only the Llama decoder layer is
-provided; the DeepSeek-V3 block (MLA + MoE) plugs in beside it.
+`init_buffers(device)`; an adapter rewrites its checkpoint keys. Two blocks: the Llama decoder
+layer, and DeepSeek-V3's (MLA with its own one-layer latent cache, MoE MLP: layer N is past
+`first_k_dense_replace`), read from `model.layers.61.*` of the DeepSeek-V3 checkpoint itself.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ from specgen.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from specgen.models.deepseek_v3 import DeepseekV3Config, DeepseekV3DecoderLayer, adapt_layer_keys
 from specgen.models.llama import LlamaConfig, LlamaDecoderLayer
+from specgen.models.mla import LatentCache
 from specgen.models.materialise import build
 from specgen.models.protocol import TargetShape
 
@@ -86,12 +89,36 @@ class LlamaMtpBlock(LlamaDecoderLayer):
         return KVCache(1, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
 
+class DeepseekMtpBlock(DeepseekV3DecoderLayer):
+    """DeepSeek-V3's decoder layer N (MLA + MoE) as an MTP block, with a 1-layer latent cache."""
+
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__(cfg, cfg.num_layers)
+        self.config = cfg
+        self.rope_scale = cfg.mla.rope.attention_factor()
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return rope_inv_freq(self.config.mla.qk_rope_head_dim, self.config.mla.rope)
+
+    def init_buffers(self, device) -> None:
+        self.inv_freq = self._inv_freq().to(device)
+
+    def decode(self, h, positions, attention: Attention):
+        # h: [B, T, H] at positions [B, T] -> [B, T, H]
+        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype, self.rope_scale)
+        return self.residual(h, cos, sin, attention)
+
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> LatentCache:
+        return LatentCache(1, slots, max_len, self.config.mla.latent_dim, dtype, device)
+
+
 @dataclass(frozen=True, slots=True)
 class BlockKind:
     read_config: Callable[[dict], Any]              # HF config -> block config
     build: Callable[[Any], nn.Module]               # block config -> module
-    adapt_keys: Callable[[dict, str], None]         # rewrite checkpoint keys under a prefix, in place
-    num_parameters: Callable[[Any], int]
+    adapt_keys: Callable[[dict, str, Any], None]    # rewrite checkpoint keys under a prefix, in place
+    num_parameters: Callable[[Any], int]            # block config -> parameters
     cache_bytes_per_token: Callable[[Any, torch.dtype], int]     # block config, dtype -> bytes
 
 
@@ -99,10 +126,19 @@ def _one_llama_layer_cache(cfg: LlamaConfig, dtype: torch.dtype) -> int:
     return KVCache.bytes_per_token(1, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
-# model_type -> block; the DeepSeek-V3 block (MLA attention + MoE MLP) is not implemented yet.
+_DEEPSEEK_BLOCK = BlockKind(
+    DeepseekV3Config.from_hf, DeepseekMtpBlock,
+    lambda state, prefix, cfg: adapt_layer_keys(state, prefix, cfg.moe.n_routed_experts),
+    lambda cfg: cfg.layer_parameters(cfg.num_layers),
+    lambda cfg, dtype: LatentCache.bytes_per_token(1, cfg.mla.latent_dim, dtype))
+
+# model_type -> block
 MTP_BLOCKS: dict[str, BlockKind] = {
-    "llama": BlockKind(LlamaConfig.from_hf, LlamaMtpBlock, fuse_attention_and_mlp_keys,
+    "llama": BlockKind(LlamaConfig.from_hf, LlamaMtpBlock,
+                       lambda state, prefix, cfg: fuse_attention_and_mlp_keys(state, prefix),
                        LlamaConfig.layer_parameters, _one_llama_layer_cache),
+    "deepseek_v3": _DEEPSEEK_BLOCK,
+    "kimi_k2": _DEEPSEEK_BLOCK,
 }
 
 
@@ -239,7 +275,7 @@ def convert_mtp_state_dict(state: dict[str, torch.Tensor], cfg: MtpConfig) -> di
     """Keys under model.layers.{N}. (prefix stripped) -> ours: the block's keys go under `block.`."""
     own = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
     out = {(k if k.startswith(own) else "block." + k): v for k, v in state.items()}
-    MTP_BLOCKS[cfg.block_type].adapt_keys(out, "block.")
+    MTP_BLOCKS[cfg.block_type].adapt_keys(out, "block.", cfg.block)
     return out
 
 

@@ -52,9 +52,36 @@ class RopeSettings:
         params = {**scaling, **params}
         theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
         rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-        if rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3)")
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+        if rope_type == "yarn" and not params.get("factor"):
+            raise ValueError("yarn rope scaling needs a factor")
         return cls(theta=float(theta), rope_type=rope_type, params=params)
+
+    def attention_factor(self) -> float:
+        """YaRN's scale on cos and sin (1 for every other type): mscale / mscale_all_dim when both are
+        given (DeepSeek-V3: 1.0), else 0.1 ln(factor) + 1 (the YaRN paper), as transformers does."""
+        if self.rope_type != "yarn":
+            return 1.0
+        given = self.params.get("attention_factor")
+        if given is not None:
+            return float(given)
+        factor = float(self.params["factor"])
+        mscale, mscale_all_dim = self.params.get("mscale"), self.params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            return yarn_mscale(factor, float(mscale)) / yarn_mscale(factor, float(mscale_all_dim))
+        return yarn_mscale(factor)
+
+    def softmax_scale_factor(self) -> float:
+        """The factor on 1/sqrt(d) of DeepSeek's MLA softmax under YaRN: mscale(factor, mscale_all_dim)^2."""
+        mscale_all_dim = self.params.get("mscale_all_dim") if self.rope_type == "yarn" else None
+        if not mscale_all_dim:
+            return 1.0
+        return yarn_mscale(float(self.params["factor"]), float(mscale_all_dim)) ** 2
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
 def rope_inv_freq(head_dim: int, rope: RopeSettings) -> torch.Tensor:
@@ -75,14 +102,44 @@ def rope_inv_freq(head_dim: int, rope: RopeSettings) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         in_band = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(in_band, blended, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, rope)
     return inv_freq
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, rope: RopeSettings) -> torch.Tensor:
+    """YaRN: dimensions that rotate fewer than `beta_slow` times over the original context are
+    interpolated (slowed by `factor`), those rotating more than `beta_fast` times kept, a linear ramp
+    between; the ramp bounds are rounded outwards (`truncate`, on unless the config says otherwise)."""
+    factor = float(rope.params["factor"])
+    old_len = float(rope.params["original_max_position_embeddings"])
+    beta_fast = float(rope.params.get("beta_fast") or 32)
+    beta_slow = float(rope.params.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        # the dimension index whose wavelength fits `rotations` times into the original context
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if rope.params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp                       # 1 = extrapolate (keep the frequency), 0 = interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0):
     # positions: [B, T] int64 -> cos, sin: [B, T, 1, head_dim] (broadcast over heads of [B, T, H, D])
+    # `scale`: YaRN's attention factor (RopeSettings.attention_factor), 1 otherwise
     freqs = positions.unsqueeze(-1).float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype).unsqueeze(2), emb.sin().to(dtype).unsqueeze(2)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -90,6 +147,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, T, H, D] whose rotary dims come in adjacent pairs (x0, x1), (x2, x3), ... (DeepSeek's
+    # layout); cos, sin: [B, T, 1, D] = cat(f, f). The output is in rotate-half order, as
+    # transformers' DeepseekV3 returns it: queries and keys are both permuted, so scores are unchanged.
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * c - odd * s, odd * c + even * s), dim=-1)
 
 
 class GatedMLP(nn.Module):

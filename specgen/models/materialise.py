@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from specgen.checkpoints.store import CheckpointError
+from specgen.checkpoints.weights import keeps_float32
 
 
 def build(make: Callable[[], nn.Module], state: dict[str, torch.Tensor] | None, *, dtype: torch.dtype,
@@ -28,7 +29,11 @@ def build(make: Callable[[], nn.Module], state: dict[str, torch.Tensor] | None, 
         # Moving off the meta device gives every module its own new Parameter, so parameters shared
         # under two names (a tied LM head) are tied again afterwards.
         shared = _shared_parameter_names(module)
-        module = module.to(dtype).to_empty(device=device)
+        module = module.to(dtype)
+        for name, param in module.named_parameters():
+            if keeps_float32(name):
+                param.data = param.data.float()
+        module = module.to_empty(device=device)
         for first, others in shared:
             for name in others:
                 _set_parameter(module, name, module.get_parameter(first))
@@ -74,12 +79,13 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], *, dtype: torch
                                   f"the config implies {list(own[key].shape)}")
     cast: dict[int, torch.Tensor] = {}  # by identity: a tensor under two names is cast once
 
-    def placed(t: torch.Tensor) -> torch.Tensor:
+    def placed(key: str, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in cast:
-            cast[id(t)] = t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device)
+            target = torch.float32 if keeps_float32(key) else dtype
+            cast[id(t)] = t.to(device=device, dtype=target) if t.is_floating_point() else t.to(device)
         return cast[id(t)]
 
-    module.load_state_dict({k: placed(v) for k, v in state.items()}, assign=True, strict=True)
+    module.load_state_dict({k: placed(k, v) for k, v in state.items()}, assign=True, strict=True)
 
 
 def random_init(module: nn.Module, *, seed: int, std: float = 0.02) -> None:

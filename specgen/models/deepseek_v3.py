@@ -1,0 +1,243 @@
+"""DeepSeek-V3 target model (our own code): MLA attention with the latent cache, then MoE layers.
+
+Contract: `DeepseekV3ForCausalLM` is a `Target` (models/protocol.py), like models/llama.py: the same
+`forward(tokens, positions, cache, attn, capture)`, layer ids naming layer OUTPUTS. Its cache is a
+`mla.LatentCache` (kv_lora_rank + qk_rope_head_dim values per token and layer). Layers
+0..first_k_dense_replace-1 have a dense gated MLP, the rest a `moe.MoE`.
+
+Numerics follow transformers' `DeepseekV3ForCausalLM` (the reference in tests): yarn rope with its
+attention factor on cos/sin and mscale^2 on the softmax scale, rope dims interleaved unless the
+config says `rope_interleave: false`, router in float32.
+
+Weights: HF keys (`model.layers.{i}.self_attn.q_a_proj.weight`, `...mlp.experts.{e}.gate_proj.weight`,
+...). The adapter stacks the experts, fuses gate|up, and drops `model.layers.{N}.*` with N >=
+num_hidden_layers: that is the MTP layer (drafts/mtp.py reads it from the same files). Block-FP8
+weights are dequantised before they get here (checkpoints/quantized.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specgen.models.attention import AttentionBatch
+from specgen.models.layers import (
+    Attention,
+    GatedMLP,
+    RMSNorm,
+    cached,
+    float32_logits,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from specgen.models.mla import LatentAttention, LatentCache, MlaDims
+from specgen.models.moe import MoE, MoeConfig, stack_expert_keys
+from specgen.models.protocol import TargetBuilder, TargetShape
+
+
+@dataclass(frozen=True, slots=True)
+class DeepseekV3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    first_k_dense_replace: int
+    rms_norm_eps: float
+    mla: MlaDims
+    moe: MoeConfig
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_nextn_predict_layers: int = 0
+    max_position_embeddings: int = 4096
+
+    @classmethod
+    def from_hf(cls, config: dict) -> DeepseekV3Config:
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (silu)")
+        if int(config.get("moe_layer_freq", 1)) != 1:
+            raise ValueError("moe_layer_freq other than 1 is not supported")
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=int(config["num_hidden_layers"]),
+            first_k_dense_replace=int(config.get("first_k_dense_replace") or 0),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            mla=MlaDims.from_hf(config),
+            moe=MoeConfig.from_hf(config),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            num_nextn_predict_layers=int(config.get("num_nextn_predict_layers") or 0),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+        )
+
+    @property
+    def num_heads(self) -> int:
+        return self.mla.num_heads
+
+    def is_moe(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace
+
+    def layer_parameters(self, layer: int) -> int:
+        h = self.hidden_size
+        mlp = self.moe.parameters() if self.is_moe(layer) else 3 * h * self.intermediate_size
+        return self.mla.parameters(h, h) + mlp + 2 * h
+
+    def num_parameters(self) -> int:
+        """Parameter count from the config alone (every expert: what must sit in memory)."""
+        h = self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        layers = sum(self.layer_parameters(i) for i in range(self.num_layers))
+        return layers + self.vocab_size * h + h + head
+
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return LatentCache.bytes_per_token(self.num_layers, self.mla.latent_dim, dtype)
+
+    def full_kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """What a cache of expanded per-head keys and values would take (the comparison MLA wins)."""
+        m = self.mla
+        per_layer = m.num_heads * (m.qk_head_dim + m.v_head_dim)
+        return self.num_layers * per_layer * torch.empty((), dtype=dtype).element_size()
+
+    def shape(self) -> TargetShape:
+        # Drafts in the target's shape (dummy EAGLE-3 / DFlash / Llama MTP) get GQA attention with
+        # the target's heads and value head dim: they keep their own caches (DESIGN.md section 5).
+        m = self.mla
+        return TargetShape(self.num_layers, self.hidden_size, self.intermediate_size, m.num_heads,
+                           m.num_heads, m.v_head_dim, self.vocab_size, self.rms_norm_eps, m.rope)
+
+
+class DeepseekV3DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer: int, in_dim: int | None = None) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = LatentAttention(in_dim or h, h, cfg.mla, cfg.attention_bias)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg.moe) if cfg.is_moe(layer) else GatedMLP(h, cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, cache, layer, batch: AttentionBatch):
+        return self.residual(h, cos, sin, cached(cache, layer, batch))
+
+    def residual(self, h, cos, sin, attention: Attention):
+        # h: [B, T, H] -> [B, T, H]
+        h = h + attention(self.self_attn, self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.shape = cfg.shape()
+        self.model = DeepseekV3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope_scale = cfg.mla.rope.attention_factor()
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
+
+    def _inv_freq(self) -> torch.Tensor:
+        return rope_inv_freq(self.config.mla.qk_rope_head_dim, self.config.mla.rope)
+
+    # -- the Target protocol (models/protocol.py) -------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def input_embedding(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
+    @property
+    def output_embedding(self) -> torch.Tensor:
+        return self.lm_head.weight
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(tokens)
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return float32_logits(hidden, self.lm_head.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(self.final_norm(hidden))
+
+    def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> LatentCache:
+        return LatentCache(self.config.num_layers, slots, max_len, self.config.mla.latent_dim, dtype, device)
+
+    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.config.cache_bytes_per_token(dtype)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return [self.inv_freq]
+
+    def init_buffers(self, device) -> None:
+        self.inv_freq = self._inv_freq().to(device)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        # positions: [B, T] -> cos, sin [B, T, 1, qk_rope_head_dim], with yarn's attention factor
+        return rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scale)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, attn: AttentionBatch,
+                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # tokens, positions: [B, T] -> last layer output [B, T, H], captured [B, T, len(capture) * H] | None
+        h = self.embed(tokens)
+        cos, sin = self.rope(positions, h.dtype)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos, sin, cache, i, attn)
+            if i in capture:
+                captured[i] = h
+        aux = torch.cat([captured[i] for i in capture], -1) if capture else None
+        return h, aux
+
+
+def adapt_layer_keys(state: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
+    """One decoder layer's checkpoint keys under `prefix` -> ours, in place (dense gate|up fused,
+    experts stacked)."""
+    gate, up = f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"
+    if gate in state and up in state:
+        state[f"{prefix}mlp.gate_up_proj.weight"] = torch.cat((state.pop(gate), state.pop(up)))
+    stack_expert_keys(state, f"{prefix}mlp.", num_experts)
+
+
+def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> dict[str, torch.Tensor]:
+    """HF DeepSeek-V3 keys -> ours; the MTP layer(s) past the last layer are left to drafts/mtp.py."""
+    state = {k: v for k, v in state.items() if not _beyond_last_layer(k, cfg.num_layers)}
+    for i in range(cfg.num_layers):
+        adapt_layer_keys(state, f"model.layers.{i}.", cfg.moe.n_routed_experts)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def _beyond_last_layer(key: str, num_layers: int) -> bool:
+    parts = key.split(".", 3)
+    return (len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit()
+            and int(parts[2]) >= num_layers)
+
+
+ARCHITECTURE = TargetBuilder(DeepseekV3Config, DeepseekV3ForCausalLM, convert_hf_state_dict)

@@ -1,0 +1,182 @@
+"""DeepSeek-V3 mixture of experts: the router, the routed experts, the shared experts.
+
+Contract: `MoE(config)` maps `[B, T, H] -> [B, T, H]` with static shapes and no host
+synchronisation, so it runs inside the compiled step:
+- routing (`Router`): sigmoid (or softmax) scores; the choice adds `e_score_correction_bias`
+  (`noaux_tc`), keeps the `topk_group` best of `n_group` groups (a group's score = its two best
+  experts), picks `num_experts_per_tok` experts; the weights are the UNbiased scores of those,
+  renormalised when `norm_topk_prob`, times `routed_scaling_factor`. The router runs in float32
+  (as transformers does) and its bias stays float32 whatever the model dtype (materialise.py).
+- routed experts (`RoutedExperts`): all experts' weights stacked, `gate_up_proj [E, 2I, H]` and
+  `down_proj [E, H, I]`. Every (token, expert) pair is computed at once, never a Python loop over
+  tokens or experts: pairs are sorted by expert and run as one grouped GEMM (`grouped_mm`, which
+  reads each chosen expert's weights once) when the dtype is bfloat16; otherwise (float32 tests,
+  whose compiled grouped GEMM torch does not provide) each pair multiplies its gathered expert
+  weights in one batched matmul. The shapes depend on tokens x top-k only, never on the routing.
+- shared experts: a plain gated MLP over every token, added to the routed output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specgen.models.layers import GatedMLP
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    hidden_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    scoring_func: str = "sigmoid"
+    topk_method: str = "noaux_tc"
+
+    @classmethod
+    def from_hf(cls, config: dict) -> MoeConfig:
+        cfg = cls(
+            hidden_size=int(config["hidden_size"]),
+            moe_intermediate_size=int(config["moe_intermediate_size"]),
+            n_routed_experts=int(config["n_routed_experts"]),
+            n_shared_experts=int(config.get("n_shared_experts") or 0),
+            num_experts_per_tok=int(config["num_experts_per_tok"]),
+            n_group=int(config.get("n_group") or 1),
+            topk_group=int(config.get("topk_group") or 1),
+            norm_topk_prob=bool(config.get("norm_topk_prob", True)),
+            routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+            scoring_func=str(config.get("scoring_func", "sigmoid")),
+            topk_method=str(config.get("topk_method", "noaux_tc")),
+        )
+        if cfg.scoring_func not in ("sigmoid", "softmax"):
+            raise ValueError(f"scoring_func {cfg.scoring_func!r} is not supported (sigmoid, softmax)")
+        if cfg.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+            raise ValueError(f"topk_method {cfg.topk_method!r} is not supported "
+                             "(noaux_tc, greedy, group_limited_greedy)")
+        if cfg.n_routed_experts % cfg.n_group:
+            raise ValueError(f"n_routed_experts {cfg.n_routed_experts} is not a multiple of n_group {cfg.n_group}")
+        if not 1 <= cfg.topk_group <= cfg.n_group:
+            raise ValueError(f"topk_group {cfg.topk_group} must be in 1..n_group ({cfg.n_group})")
+        if cfg.num_experts_per_tok > cfg.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds n_routed_experts")
+        return cfg
+
+    def parameters(self) -> int:
+        """All parameters of one MoE block (every expert; the estimate of memory, not of work)."""
+        h, i = self.hidden_size, self.moe_intermediate_size
+        return (self.n_routed_experts * (h + 1) + 3 * h * i * self.n_routed_experts
+                + 3 * h * i * self.n_shared_experts)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(cfg.n_routed_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [N, H] -> weights [N, k] float32, experts [N, k] int64
+        c = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        choice = scores + self.e_score_correction_bias.float() if c.topk_method == "noaux_tc" else scores
+        if c.n_group > 1 and c.topk_group < c.n_group:
+            n = x.shape[0]
+            grouped = choice.view(n, c.n_group, -1)
+            # a group's score: its two best experts (noaux_tc) or its best one (group_limited_greedy)
+            best = 2 if c.topk_method == "noaux_tc" else 1
+            group_scores = grouped.topk(best, dim=-1).values.sum(dim=-1)                # [N, G]
+            keep = torch.topk(group_scores, c.topk_group, dim=-1).indices
+            group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, keep, True)
+            choice = grouped.masked_fill(~group_mask.unsqueeze(-1), float("-inf")).view(n, -1)
+        experts = torch.topk(choice, c.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, experts
+
+
+class RoutedExperts(nn.Module):
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        # x: [N, H]; weights, experts: [N, k] -> [N, H]
+        if x.dtype == torch.bfloat16:
+            return self._grouped(x, weights, experts)
+        return self._gathered(x, weights, experts)
+
+    def _grouped(self, x, weights, experts):
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        order = flat.argsort(stable=True)                      # pairs grouped by expert
+        token = order // k
+        # group ends; scatter_add instead of bincount, whose output length depends on the data
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+        counts = counts.scatter_add(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)
+        rows = x[token]                                                           # [N k, H]
+        gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
+        out = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(x).index_add(0, token, out)
+
+    def _gathered(self, x, weights, experts):
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0).unsqueeze(-1)                      # [N k, H, 1]
+        gate, up = torch.bmm(self.gate_up_proj[flat], rows).squeeze(-1).chunk(2, dim=-1)
+        out = torch.bmm(self.down_proj[flat], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        out = out.view(n, k, -1) * weights.unsqueeze(-1).to(out.dtype)
+        return out.sum(dim=1)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MoeConfig) -> None:
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = RoutedExperts(cfg)
+        self.shared_experts = (GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        # h: [B, T, H] -> [B, T, H]
+        flat = h.reshape(-1, h.shape[-1])
+        weights, experts = self.gate(flat)
+        out = self.experts(flat, weights, experts).view_as(h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(h)
+        return out
+
+
+def stack_expert_keys(state: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
+    """Checkpoint experts `{prefix}experts.{e}.{gate,up,down}_proj.weight` -> our stacked
+    `{prefix}experts.gate_up_proj [E, 2I, H]` and `{prefix}experts.down_proj [E, H, I]`, in place;
+    `shared_experts.{gate,up}_proj` fused like a dense MLP. Tensors are popped as they are stacked,
+    so the checkpoint never sits in memory twice."""
+    names = [f"{prefix}experts.{e}.{p}_proj.weight" for e in range(num_experts) for p in ("gate", "up", "down")]
+    if not all(n in state for n in names):
+        return   # missing keys are reported by the loader, with their names
+    gate_up, down = [], []
+    for e in range(num_experts):
+        base = f"{prefix}experts.{e}."
+        gate_up.append(torch.cat((state.pop(base + "gate_proj.weight"), state.pop(base + "up_proj.weight"))))
+        down.append(state.pop(base + "down_proj.weight"))
+    state[f"{prefix}experts.gate_up_proj"] = torch.stack(gate_up)
+    state[f"{prefix}experts.down_proj"] = torch.stack(down)
+    shared = f"{prefix}shared_experts."
+    if f"{shared}gate_proj.weight" in state and f"{shared}up_proj.weight" in state:
+        state[f"{shared}gate_up_proj.weight"] = torch.cat(
+            (state.pop(f"{shared}gate_proj.weight"), state.pop(f"{shared}up_proj.weight")))
