@@ -246,7 +246,9 @@ def test_missing_and_unusable_checkpoints_are_named(tmp_path, target):
         load_draft(plain, target)
     with pytest.raises(CheckpointError, match="num_nextn_predict_layers is 2"):
         load_draft(folder, target, config={**TARGET, "num_nextn_predict_layers": 2})
-    with pytest.raises(CheckpointError, match="model_type 'deepseek_v3'"):
+    with pytest.raises(CheckpointError, match="model_type 'qwen3'"):
+        load_draft(folder, target, config={**TARGET, "model_type": "qwen3"})
+    with pytest.raises(CheckpointError, match="kv_lora_rank"):   # a DeepSeek block needs its MLA fields
         load_draft(folder, target, config={**TARGET, "model_type": "deepseek_v3"})
 
 
