@@ -208,18 +208,46 @@ def test_grouped_and_gathered_experts_equal_a_loop_over_tokens():
         assert 1 < len(set(experts.flatten().tolist())) <= cfg.n_routed_experts
 
 
-def test_a_tokenizer_that_needs_remote_code_is_refused_with_what_to_provide(tmp_path):
+def write_tiktoken_tokenizer(folder, extra: dict[int, str]) -> None:
+    """Kimi's tokenizer layout: `tiktoken.model` (base64 token, rank per line) and a tokenizer_config
+    whose auto_map names remote code (tokenization_kimi.py), special tokens in added_tokens_decoder."""
+    import base64
     import json
 
-    from specgen.checkpoints.tokenizer import check_tokenizer, load_tokenizer
+    pieces = [bytes([i]) for i in range(256)] + [b"he", b"ll", b"hello"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tiktoken.model").write_text(
+        "".join(f"{base64.b64encode(p).decode()} {i}\n" for i, p in enumerate(pieces)))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "tokenizer_class": "TikTokenTokenizer",
+        "added_tokens_decoder": {str(i): {"content": t, "special": True} for i, t in extra.items()},
+        "bos_token": extra[min(extra)], "eos_token": extra[max(extra)]}))
+
+
+def test_kimi_tiktoken_tokenizer_loads_without_remote_code(tmp_path):
+    import json
+
+    from specgen.checkpoints.tokenizer import load_tokenizer
 
     folder = tmp_path / "kimi"
+    write_tiktoken_tokenizer(folder, {259: "[BOS]", 260: "<think>", 261: "</think>", 262: "[EOS]"})
+    (folder / "config.json").write_text(json.dumps(tiny_kimi_config(vocab_size=300)))
+    tokenizer = load_tokenizer(folder, 300)
+    assert tokenizer.convert_tokens_to_ids("<think>") == 260 and tokenizer.convert_tokens_to_ids("</think>") == 261
+    ids = tokenizer.encode("hello<think>", add_special_tokens=False)
+    assert ids == [258, 260] and tokenizer.decode(ids) == "hello<think>"
+
+
+def test_a_tokenizer_only_remote_code_can_read_is_refused_with_what_to_provide(tmp_path):
+    import json
+
+    from specgen.checkpoints.tokenizer import load_tokenizer
+
+    folder = tmp_path / "remote"
     folder.mkdir()
-    (folder / "tiktoken.model").write_text("")
     (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-         "tokenizer_class": "TikTokenTokenizer"}))
-    with pytest.raises(CheckpointError, match="tokenization_kimi.TikTokenTokenizer.*tokenizer.json"):
-        check_tokenizer(folder)
-    with pytest.raises(CheckpointError, match="never runs"):
-        load_tokenizer(folder, 163840)
+        {"auto_map": {"AutoTokenizer": ["tokenization_custom.CustomTokenizer", None]},
+         "tokenizer_class": "CustomTokenizer"}))
+    with pytest.raises(CheckpointError, match="never runs it: put a tokenizer.json"):
+        load_tokenizer(folder, 300)

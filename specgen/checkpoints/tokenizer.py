@@ -7,7 +7,6 @@ text by construction, and the run says so.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from specgen.checkpoints.store import CheckpointError
@@ -37,34 +36,19 @@ def has_tokenizer(folder: Path | None) -> bool:
     return folder is not None and any((folder / name).is_file() for name in TOKENIZER_FILES)
 
 
-def check_tokenizer(folder: Path | None) -> None:
-    """Refuse, before any weights load, a tokenizer only the checkpoint's own code can read (Kimi K2 /
-    K2.5 ship `tiktoken.model` + `tokenization_kimi.py`): specgen never runs a checkpoint's code."""
-    if not has_tokenizer(folder) or (folder / "tokenizer.json").is_file():
-        return
-    config_path = folder / "tokenizer_config.json"
-    try:
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    except (OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{config_path}: cannot read: {err}") from err
-    remote = (config.get("auto_map") or {}).get("AutoTokenizer")
-    if remote:
-        code = remote[0] if isinstance(remote, list) else remote
-        raise CheckpointError(
-            f"{folder}: the tokenizer is defined by the checkpoint's own code ({code}), which specgen "
-            "never runs. Provide a tokenizer.json in the folder: a tiktoken.model converts with "
-            "transformers.integrations.tiktoken.convert_tiktoken_to_fast (needs the tiktoken "
-            "package), keeping the special tokens listed in tokenizer_config.json.")
-
-
 def load_tokenizer(folder: Path | None, vocab_size: int):
+    """The checkpoint's tokenizer through transformers, never running the checkpoint's own code:
+    a `tokenizer.json`, a sentencepiece model, or Kimi's `tiktoken.model` (converted by transformers
+    with the tiktoken package; its `tokenization_kimi.py` is not needed). A tokenizer that only
+    remote code can read is a `CheckpointError` saying what to provide."""
     if not has_tokenizer(folder):
         return ByteTokenizer(vocab_size)
-    check_tokenizer(folder)
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{folder}: transformers cannot load the tokenizer without running remote "
-                              f"code or downloading: {err}") from err
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except (OSError, ValueError, ImportError) as err:
+        raise CheckpointError(
+            f"{folder}: transformers cannot load this tokenizer without running the checkpoint's own code "
+            f"({err}). specgen never runs it: put a tokenizer.json in the folder (a tokenizer saved by "
+            "transformers' save_pretrained), or a tiktoken.model with its tokenizer_config.json.") from err
