@@ -52,14 +52,16 @@ def tiny_deepseek_config(*, yarn: bool = True, q_lora: bool = True, fp8: bool = 
     return config
 
 
-def tiny_kimi_config(**changes) -> dict:
-    """Kimi K2.5's wrapper config with its text_config scaled down (kimi_k2, one group, no MTP)."""
+def tiny_kimi_config(*, int4: bool = False, **changes) -> dict:
+    """Kimi K2.5's wrapper config with its text_config scaled down (kimi_k2, one group, no MTP).
+    `int4` keeps the release's quantization_config (routed experts packed INT4, groups of 32)."""
     config = reference_config("moonshotai__Kimi-K2.5.config.RECONSTRUCTED-raw.json")
     text = dict(config["text_config"])
     text.update(SMALL_DEEPSEEK)
     text.update(n_group=1, topk_group=1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     text["rope_scaling"] = dict(text["rope_scaling"], original_max_position_embeddings=16, factor=4)
-    text.pop("quantization_config")
+    if not int4:
+        text.pop("quantization_config")
     text.pop("auto_map")
     text.update(changes)
     config.pop("auto_map")
@@ -128,6 +130,20 @@ def quantize_fp8(weight: torch.Tensor, block=FP8_BLOCK) -> tuple[torch.Tensor, t
     return q, scale_inv
 
 
+def pack_int4(weight: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    """compressed-tensors' pack-quantized INT4 (symmetric, per group of inputs), written here from the
+    format's description: value in [-8, 7] stored as value + 8, eight per int32, lowest bits first."""
+    rows, cols = weight.shape
+    scale = weight.abs().view(rows, cols // group, group).amax(-1) / 7
+    q = torch.round(weight / scale.repeat_interleave(group, 1)).clamp(-8, 7).to(torch.int64) + 8
+    packed = torch.zeros(rows, math.ceil(cols / 8), dtype=torch.int64)
+    for i in range(cols):
+        packed[:, i // 8] |= q[:, i] << (4 * (i % 8))
+    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return {"weight_packed": packed, "weight_scale": scale.to(torch.bfloat16),
+            "weight_shape": torch.tensor([rows, cols], dtype=torch.int32)}
+
+
 def is_fp8_weight(key: str, t: torch.Tensor) -> bool:
     """DeepSeek quantises the projections' weights; embeddings, head, norms and router stay bf16."""
     return (t.ndim == 2 and key.endswith("proj.weight") and "eh_proj" not in key)
@@ -162,8 +178,15 @@ def write_deepseek_checkpoint(folder: Path, config: dict, *, seed: int = 0) -> P
 
 def write_kimi_checkpoint(folder: Path, config: dict, *, seed: int = 0) -> Path:
     """Kimi K2.5's layout: text weights under `language_model.`, plus vision tensors to be skipped."""
-    model = hf_model(config["text_config"], seed)
-    state = {"language_model." + k: v for k, v in real_layout(model.state_dict(), config["text_config"]).items()}
+    text = config["text_config"]
+    model = hf_model(text, seed)
+    state = {"language_model." + k: v for k, v in real_layout(model.state_dict(), text).items()}
+    quant = text.get("quantization_config")
+    if quant:   # the release quantises the routed experts only
+        group = quant["config_groups"]["group_0"]["weights"]["group_size"]
+        for key in [k for k in state if ".mlp.experts." in k]:
+            weight = state.pop(key)
+            state.update({key[: -len("weight")] + part: t for part, t in pack_int4(weight, group).items()})
     gen = torch.Generator().manual_seed(seed + 2)
     state["vision_tower.encoder.blocks.0.mlp.fc0.weight"] = torch.randn(8, 4, generator=gen)
     state["mm_projector.proj.0.weight"] = torch.randn(8, 8, generator=gen)
@@ -177,15 +200,14 @@ def hf_reference(folder: Path):
     """transformers' model with the weights of `folder` as our loader reads them (FP8 dequantised)."""
     from safetensors.torch import load_file
 
-    from specgen.checkpoints.quantized import dequantize_state
+    from specgen.checkpoints.quantized import dequantize_state, quantization_of
 
     config = json.loads((folder / "config.json").read_text())
     state = load_file(str(folder / "model.safetensors"))
     if "text_config" in config:
         config = config["text_config"]
         state = {k[len("language_model."):]: v for k, v in state.items() if k.startswith("language_model.")}
-    block = (config.get("quantization_config") or {}).get("weight_block_size")
-    state = dequantize_state(state, dtype=torch.float32, where=str(folder), block=tuple(block) if block else None)
+    state = dequantize_state(state, quantization_of(config, str(folder)), dtype=torch.float32, where=str(folder))
     n = config["num_hidden_layers"]
     state = {k: v for k, v in state.items() if not k.startswith(f"model.layers.{n}.")}
     fused = {}

@@ -14,6 +14,7 @@ import torch
 from checkpoints import load_fp32_target
 from checkpoints_deepseek import (
     hf_reference,
+    pack_int4,
     quantize_fp8,
     tiny_deepseek_config,
     tiny_kimi_config,
@@ -22,7 +23,7 @@ from checkpoints_deepseek import (
 )
 from model_calls import logits as our_logits
 
-from specgen.checkpoints.quantized import dequantize_fp8_block
+from specgen.checkpoints.quantized import dequantize_fp8_block, dequantize_int4_packed
 from specgen.checkpoints.store import CheckpointError
 from specgen.models.mla import ABSORB_MAX_QUERIES
 
@@ -102,6 +103,31 @@ def test_kimi_k25_wrapper_loads_the_text_model(tmp_path):
     folder = write_kimi_checkpoint(tmp_path / "kimi", config)
     ours = check_against_transformers(folder)
     assert ours.config.moe.n_group == 1 and ours.config.num_nextn_predict_layers == 0
+
+
+def test_kimi_int4_experts_are_dequantised_on_load(tmp_path):
+    """Kimi K2.5's release format: routed experts in compressed-tensors packed INT4 (groups of 32)."""
+    folder = write_kimi_checkpoint(tmp_path / "kimi", tiny_kimi_config(int4=True))
+    ours = check_against_transformers(folder)
+    plain = load_fp32_target(write_kimi_checkpoint(tmp_path / "bf", tiny_kimi_config()))
+    a, b = ours.model.layers[1].mlp.experts.down_proj, plain.model.layers[1].mlp.experts.down_proj
+    assert 0 < (a - b).abs().max() < 0.05      # the INT4 rounding is really there, and small
+
+
+def test_int4_unpacking_matches_the_format_elementwise():
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(6, 64, generator=gen)
+    parts = pack_int4(weight, 32)
+    got = dequantize_int4_packed(parts["weight_packed"], parts["weight_scale"], parts["weight_shape"])
+    scale = parts["weight_scale"].float()
+    for i in range(6):
+        for j in range(64):
+            word = int(parts["weight_packed"][i, j // 8]) & 0xFFFFFFFF
+            stored = (word >> (4 * (j % 8))) & 0xF
+            assert got[i, j] == (stored - 8) * scale[i, j // 32]
+    assert (got - weight).abs().max() <= 0.5 * scale.max() + 1e-6     # round to nearest
+    with pytest.raises(ValueError, match="does not hold"):
+        dequantize_int4_packed(parts["weight_packed"][:, :4], parts["weight_scale"], parts["weight_shape"])
 
 
 def test_kimi_accepts_both_spellings(tmp_path):

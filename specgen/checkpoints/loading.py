@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from specgen.checkpoints.quantized import quantization_of
 from specgen.checkpoints.store import CheckpointError, weight_files
 from specgen.checkpoints.weights import read_tensors, tensor_names
 from specgen.models.materialise import build
@@ -46,9 +47,9 @@ def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device
     cfg = target_config(config, where)
     state = None
     if not dummy:
-        block = fp8_block_size(config, where)
+        quant = quantization_of(config, where)
         state = builder.convert_state_dict(
-            read_tensors(weight_files(folder), device=device, dtype=dtype, fp8_block=block), cfg)
+            read_tensors(weight_files(folder), device=device, dtype=dtype, quantization=quant), cfg)
     model = build(lambda: builder.model_cls(cfg), state, dtype=dtype, device=device, seed=seed,
                   where=str(folder))
     return model.eval().requires_grad_(False)
@@ -62,26 +63,12 @@ def load_draft(method: str, config: dict, folder: Path | None, target, *,
     if not dummy:
         prefix = builder.weight_prefix(config)
         state = read_tensors(weight_files(Path(folder)), prefix=prefix, strip_prefix=True, device=device,
-                             dtype=dtype, fp8_block=fp8_block_size(config, str(folder)))
+                             dtype=dtype, quantization=quantization_of(config, str(folder)))
         if not state:
             raise CheckpointError(f"{folder}: no {method.upper()} weights (no tensors under {prefix or 'the root'}*)")
     draft = builder.build(config, state, target, num_speculative_tokens=num_speculative_tokens,
                           dtype=dtype, device=device, seed=seed, where=str(folder) if folder else "draft")
     return draft.eval().requires_grad_(False)
-
-
-def fp8_block_size(config: dict, where: str) -> tuple[int, int] | None:
-    """The block of DeepSeek's FP8 weights (`quantization_config.weight_block_size`), None when the
-    checkpoint is not block-FP8; a quantisation we cannot dequantise is a `CheckpointError`."""
-    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
-    if not quant:
-        return None
-    method = quant.get("quant_method")
-    if method == "fp8" and quant.get("fmt", "e4m3") == "e4m3":
-        block = quant.get("weight_block_size") or (128, 128)
-        return int(block[0]), int(block[1])
-    raise CheckpointError(f"{where}: quantization {method!r} is not supported (block FP8 e4m3 is; "
-                          "dequantise the checkpoint to bf16 first, and drop quantization_config)")
 
 
 def has_draft_layers(method: str, folder: Path | None, config: dict) -> bool:

@@ -1,32 +1,71 @@
-"""Quantised checkpoint weights, dequantised on load: DeepSeek's block FP8.
+"""Quantised checkpoint weights, dequantised on load: DeepSeek's block FP8 and Kimi's packed INT4.
 
-Contract: `dequantize_fp8_block(weight, scale_inv, block)` returns the float32 weight of an
-`F8_E4M3` tensor `[O, I]` stored with a `weight_scale_inv [ceil(O / bo), ceil(I / bo)]` float32
-tensor: every `bo x bi` block of the weight times its scale (the name is DeepSeek's: the value
-stored is the inverse of the quantiser's scale, i.e. the multiplier back to real values; see
-DeepSeek-V3's `inference/fp8_cast_bf16.py` and `../shared/reference/checkpoints`).
-`dequantize_state(state, where)` finds every `X.weight` + `X.weight_scale_inv` pair in a dict of
-tensors read from a checkpoint and replaces the pair by the dequantised `X.weight`, cast to the run's
-dtype; a scale without its weight, or a weight in FP8 without a scale, is a `CheckpointError`.
+Contract:
+- `quantization_of(config, where)` reads what a checkpoint's `quantization_config` (top level, or
+  under `text_config` for Kimi K2.5) says into a `Quantization`, None for a plain checkpoint, and
+  raises `CheckpointError` for a scheme specgen cannot dequantise (naming it).
+- Block FP8 (DeepSeek-V3 `quant_method: fp8`): `X.weight` in F8_E4M3 `[O, I]` beside
+  `X.weight_scale_inv [ceil(O / bo), ceil(I / bi)]` float32, the multiplier back to real values of
+  each `bo x bi` block (DeepSeek's name; see DeepSeek-V3's `inference/fp8_cast_bf16.py`).
+- Packed INT4 (compressed-tensors `pack-quantized`, symmetric, group strategy: Kimi K2.5's routed
+  experts): `X.weight_packed [O, ceil(I / 8)]` int32 holding eight 4-bit values each, lowest bits
+  first, stored as value + 8; `X.weight_scale [O, ceil(I / g)]` per group of g inputs;
+  `X.weight_shape [2]` = [O, I]. Real value = (stored - 8) x scale.
+- `dequantize_state(state, quantization, dtype=, where=)` replaces every such group of tensors by the
+  dequantised `X.weight` in the run's dtype, in place; leftovers (a scale without its weight, FP8 or
+  packed tensors without scales) are a `CheckpointError` naming the tensor.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from specgen.checkpoints.store import CheckpointError
 
-SCALE_SUFFIX = "_scale_inv"
+FP8_SCALE = "weight_scale_inv"
+INT4_PACKED, INT4_SCALE, INT4_SHAPE = "weight_packed", "weight_scale", "weight_shape"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+QUANTIZED_SUFFIXES = (FP8_SCALE, INT4_PACKED, INT4_SCALE, INT4_SHAPE)
+
+
+@dataclass(frozen=True, slots=True)
+class Quantization:
+    fp8_block: tuple[int, int] | None = None    # block FP8: the block shape
+    int4_group: int | None = None               # packed INT4: inputs per scale
+
+
+def quantization_of(config: dict, where: str) -> Quantization | None:
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method")
+    if method == "fp8" and quant.get("fmt", "e4m3") == "e4m3":
+        block = quant.get("weight_block_size") or (128, 128)
+        return Quantization(fp8_block=(int(block[0]), int(block[1])))
+    if method == "compressed-tensors" and quant.get("format") == "pack-quantized":
+        groups = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
+        sizes = {w.get("group_size") for w in groups}
+        if groups and all(w.get("num_bits") == 4 and w.get("type") == "int" and w.get("symmetric")
+                          and w.get("strategy") == "group" for w in groups) and len(sizes) == 1:
+            return Quantization(int4_group=int(sizes.pop()))
+    raise CheckpointError(f"{where}: quantization {method!r} ({quant.get('format') or quant.get('fmt')}) is not "
+                          "supported (block FP8 e4m3 and symmetric group INT4 pack-quantized are; dequantise "
+                          "the checkpoint to bf16 first, and drop quantization_config)")
+
+
+def is_quantized_part(key: str, tensor: torch.Tensor) -> bool:
+    """Tensors read as they are stored (not cast to the run dtype) until `dequantize_state`."""
+    return tensor.dtype in FP8_DTYPES or key.endswith(QUANTIZED_SUFFIXES)
 
 
 def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor,
                          block: tuple[int, int] | None = None) -> torch.Tensor:
     # weight: [O, I] float8; scale_inv: [ceil(O / bo), ceil(I / bi)] -> [O, I] float32
     rows, cols = weight.shape
-    if block is None:   # DeepSeek's configs say [128, 128]; infer it from the scale's shape otherwise
+    if block is None:
         block = (math.ceil(rows / scale_inv.shape[0]), math.ceil(cols / scale_inv.shape[1]))
     bo, bi = block
     if tuple(scale_inv.shape) != (math.ceil(rows / bo), math.ceil(cols / bi)):
@@ -36,23 +75,52 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor,
     return weight.float() * scale
 
 
-def is_scale(key: str) -> bool:
-    return key.endswith(SCALE_SUFFIX)
+def dequantize_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape: torch.Tensor | tuple[int, int],
+                           group: int | None = None) -> torch.Tensor:
+    # packed: [O, ceil(I / 8)] int32; scale: [O, ceil(I / g)]; shape: (O, I) -> [O, I] float32
+    rows, cols = (int(s) for s in shape)
+    if packed.shape[0] != rows or packed.shape[1] != math.ceil(cols / 8):
+        raise ValueError(f"packed shape {list(packed.shape)} does not hold a {rows}x{cols} weight")
+    group = group or math.ceil(cols / scale.shape[1])
+    if tuple(scale.shape) != (rows, math.ceil(cols / group)):
+        raise ValueError(f"scale shape {list(scale.shape)} does not match groups of {group} over {cols} inputs")
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    # an arithmetic shift of a negative int32 fills high bits with ones; the mask drops them
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF                                    # [O, I/8, 8]
+    values = nibbles.reshape(rows, -1)[:, :cols].float() - 8
+    return values * scale.float().repeat_interleave(group, 1)[:, :cols]
 
 
-def dequantize_state(state: dict[str, torch.Tensor], *, dtype: torch.dtype | None, where: str,
-                     block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
-    """Replace each FP8 `X.weight` + `X.weight_scale_inv` pair by the dequantised weight, in place."""
-    for key in [k for k in state if is_scale(k)]:
-        weight_key = key[: -len(SCALE_SUFFIX)]
-        if weight_key not in state:
-            raise CheckpointError(f"{where}: {key} has no {weight_key} beside it")
-        try:
-            real = dequantize_fp8_block(state[weight_key], state.pop(key), block)
-        except ValueError as err:
-            raise CheckpointError(f"{where}: {weight_key}: {err}") from err
-        state[weight_key] = real.to(dtype) if dtype is not None else real
-    left = [k for k, v in state.items() if v.dtype in FP8_DTYPES]
+def dequantize_state(state: dict[str, torch.Tensor], quantization: Quantization | None, *,
+                     dtype: torch.dtype | None, where: str) -> dict[str, torch.Tensor]:
+    """Replace each quantised weight's tensors by the dequantised `X.weight`, in place."""
+    q = quantization or Quantization()
+    for key in [k for k in state if k.endswith(FP8_SCALE)]:
+        base = key[: -len(FP8_SCALE)]
+        _dequantize(state, base, where, dtype,
+                    lambda: dequantize_fp8_block(_take(state, base + "weight", key, where), state.pop(key),
+                                                 q.fp8_block))
+    for key in [k for k in state if k.endswith(INT4_PACKED)]:
+        base = key[: -len(INT4_PACKED)]
+        _dequantize(state, base, where, dtype,
+                    lambda: dequantize_int4_packed(state.pop(key), _take(state, base + INT4_SCALE, key, where),
+                                                   _take(state, base + INT4_SHAPE, key, where).tolist(),
+                                                   q.int4_group))
+    left = [k for k, v in state.items() if is_quantized_part(k, v)]
     if left:
-        raise CheckpointError(f"{where}: FP8 tensors without a weight_scale_inv: {', '.join(left[:4])}")
+        raise CheckpointError(f"{where}: quantised tensors without their scales or weights: {', '.join(left[:4])}")
     return state
+
+
+def _take(state: dict, key: str, beside: str, where: str) -> torch.Tensor:
+    if key not in state:
+        raise CheckpointError(f"{where}: {beside} has no {key} beside it")
+    return state.pop(key)
+
+
+def _dequantize(state, base: str, where: str, dtype, compute) -> None:
+    try:
+        real = compute()
+    except ValueError as err:
+        raise CheckpointError(f"{where}: {base}weight: {err}") from err
+    state[base + "weight"] = real.to(dtype) if dtype is not None else real

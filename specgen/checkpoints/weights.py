@@ -3,9 +3,9 @@
 Contract: `read_tensors(files, device=..., dtype=...)` returns the tensors of the files keyed by
 name (optionally those under a prefix, optionally stripped of it). Each tensor is read onto `device`
 (`safe_open(device=...)`) and cast to `dtype` at once when floating, one tensor at a time, so the
-checkpoint never sits in memory twice. Block-FP8 weights (`weight_scale_inv` beside them, DeepSeek's
-release format) stay FP8 until the whole read is done, then are dequantised to `dtype`
-(checkpoints/quantized.py), whichever shards the weight and its scale sit in.
+checkpoint never sits in memory twice. Quantised weights (DeepSeek's block FP8, Kimi's packed INT4:
+checkpoints/quantized.py) are kept as stored until the whole read is done, then dequantised to
+`dtype`, whichever shards a weight and its scales sit in.
 `tensor_names(folder)` reads headers only.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from specgen.checkpoints.quantized import FP8_DTYPES, dequantize_state, is_scale
+from specgen.checkpoints.quantized import Quantization, dequantize_state, is_quantized_part
 from specgen.checkpoints.store import CheckpointError, weight_files
 
 # Tensors that stay float32 in any run dtype (transformers keeps them so too): the MoE router's
@@ -31,8 +31,8 @@ def keeps_float32(name: str) -> bool:
 
 def read_tensors(files: list[Path], *, prefix: str = "", strip_prefix: bool = False,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 fp8_block: tuple[int, int] | None = None) -> dict[str, torch.Tensor]:
-    """`fp8_block`: the config's `quantization_config.weight_block_size` (None: from the scales)."""
+                 quantization: Quantization | None = None) -> dict[str, torch.Tensor]:
+    """`quantization`: what the config says (quantized.quantization_of); None reads shapes from scales."""
     state: dict[str, torch.Tensor] = {}
     quantized = False
     for path in files:
@@ -41,15 +41,15 @@ def read_tensors(files: list[Path], *, prefix: str = "", strip_prefix: bool = Fa
                 for key in f.keys():
                     if key.startswith(prefix):
                         tensor = f.get_tensor(key)
-                        fp8 = tensor.dtype in FP8_DTYPES or is_scale(key)   # dequantised below
-                        quantized = quantized or fp8
-                        if dtype is not None and tensor.is_floating_point() and not fp8:
+                        stored = is_quantized_part(key, tensor)   # dequantised below
+                        quantized = quantized or stored
+                        if dtype is not None and tensor.is_floating_point() and not stored:
                             tensor = tensor.to(torch.float32 if keeps_float32(key) else dtype)
                         state[key[len(prefix):] if strip_prefix else key] = tensor
         except (OSError, RuntimeError, ValueError) as err:
             raise CheckpointError(f"{path}: cannot read safetensors: {err}") from err
     if quantized:
-        dequantize_state(state, dtype=dtype, where=str(files[0].parent), block=fp8_block)
+        dequantize_state(state, quantization, dtype=dtype, where=str(files[0].parent))
     return state
 
 
