@@ -20,7 +20,13 @@ from pathlib import Path
 
 import torch
 
-from specgen.checkpoints.loading import has_draft_layers, load_draft, load_target, target_config
+from specgen.checkpoints.loading import (
+    has_draft_layers,
+    load_draft,
+    load_target,
+    target_config,
+    unread_tensor_groups,
+)
 from specgen.checkpoints.store import CheckpointError, cache_root, read_config, resolve_checkpoint
 from specgen.checkpoints.weights import tensor_names
 from specgen.checkpoints.tokenizer import load_tokenizer
@@ -77,16 +83,35 @@ def resolve(recipe: Recipe) -> Resolved:
     dummy = recipe.target.load_format == "dummy"
     try:
         folder = resolve_checkpoint(recipe.target.model, needs_weights=not dummy)
-        config = read_config(folder)
+        config = with_overrides(read_config(folder), recipe.target.hf_overrides)
         target_config(config, str(folder / "config.json"))  # fails early on a config we can't read
         draft_folder = draft_cfg = None
         if recipe.draft.enabled:
             check_pairing(architecture_name(config), recipe.draft.method)
-            if recipe.draft.load_format != "dummy":
+            if _draft_inside_a_dummy_target(recipe):
+                draft_cfg = config    # its layer comes from the target's config, random like the target
+            elif recipe.draft.load_format != "dummy":
                 draft_folder, draft_cfg = _draft_checkpoint(recipe, folder, config)
     except (CheckpointError, UnsupportedError, ValueError) as err:
         raise JobError(str(err)) from err
     return Resolved(device, DTYPES[dtype_name], folder, config, draft_folder, draft_cfg)
+
+
+def with_overrides(config: dict, overrides: dict) -> dict:
+    """config.json with `target.hf_overrides` applied (nested mappings merge, e.g. Kimi's text_config)."""
+    merged = dict(config)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = with_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _draft_inside_a_dummy_target(recipe: Recipe) -> bool:
+    """MTP without draft.model on a dummy target: the layer the config describes, with random weights."""
+    return (recipe.target.load_format == "dummy" and recipe.draft.model is None
+            and recipe.draft.load_format != "dummy" and DRAFT_METHODS[recipe.draft.method].lives_in_target)
 
 
 def _draft_checkpoint(recipe: Recipe, target_folder: Path, target_config: dict) -> tuple[Path, dict]:
@@ -234,16 +259,22 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     if dummy_target:
         notes.append("target.load_format is dummy: random weights, the output text is meaningless "
                      "(for measuring speed only)")
+    else:
+        unread = unread_tensor_groups(r.target_config, r.target_folder)
+        if unread:
+            notes.append(f"text-only run: the checkpoint's {', '.join(unread)} weights are not loaded")
     if tokenizer is None:
         tokenizer = load_tokenizer(r.target_folder, target.vocab_size)
     draft = None
     if recipe.draft.enabled:
         builder = DRAFT_METHODS[recipe.draft.method].builder()
-        dummy = recipe.draft.load_format == "dummy"
+        dummy = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
         draft = load_draft(recipe.draft.method, r.draft_config or builder.dummy_config(target.shape),
                            r.draft_folder, target, num_speculative_tokens=recipe.draft.num_speculative_tokens,
                            dtype=r.dtype, device=r.device, dummy=dummy)
-        if dummy:
+        if _draft_inside_a_dummy_target(recipe):
+            notes.append(f"the target is dummy, so its {recipe.draft.method} layer is random too")
+        elif dummy:
             notes.append(f"draft.load_format is dummy: a RANDOMLY INITIALISED {recipe.draft.method} "
                          "draft (deterministic, demo only); output equals the target's alone but "
                          "acceptance is near zero")

@@ -65,6 +65,9 @@ class TargetSpec:
     model: str
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA (decided by the loader)
     load_format: str = "auto"  # dummy = random weights from config.json alone
+    # config.json fields replaced before anything is built (vLLM's hf_overrides; nested dicts merge):
+    # e.g. {num_hidden_layers: 5} times the real DeepSeek-V3 layer shapes on one GPU with dummy weights
+    hf_overrides: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +296,12 @@ def _switch(value: object) -> bool:
     return value
 
 
+def _string_keyed(value: object) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise _Bad(f"expected a mapping of config.json fields, got {_show(value)}")
+    return dict(value)
+
+
 def _optional(parse: Callable[[object], Any]) -> Callable[[object], Any]:
     return lambda value: None if value is None else parse(value)
 
@@ -375,7 +384,7 @@ def _default_output(source: Path | None) -> str:
 
 _TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_template", "train")
 _TRAIN = tuple(TrainSpec.__dataclass_fields__)
-_TARGET = ("model", "dtype", "load_format")
+_TARGET = ("model", "dtype", "load_format", "hf_overrides")
 _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos")
 _RUNTIME = ("device", "batch_size", "max_seq_len", "compile", "threads")
@@ -397,6 +406,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         model=check.get(t, "target.model", _string),
         dtype=check.get(t, "target.dtype", _choice(DTYPES), "auto"),
         load_format=check.get(t, "target.load_format", _choice(LOAD_FORMATS), "auto"),
+        hf_overrides=check.get(t, "target.hf_overrides", _optional(_string_keyed), None) or {},
     )
 
     d = check.section(data, "draft", _DRAFT)

@@ -277,3 +277,29 @@ def test_a_tokenizer_only_remote_code_can_read_is_refused_with_what_to_provide(t
          "tokenizer_class": "CustomTokenizer"}))
     with pytest.raises(CheckpointError, match="never runs it: put a tokenizer.json"):
         load_tokenizer(folder, 300)
+
+
+def test_full_deepseek_v3_config_builds_for_dummy_weights_and_is_estimated():
+    """`load_format: dummy` with the real config: the model builds (on the meta device here: 671B
+    parameters do not fit a test machine) with exactly the parameters the estimate counts, and the
+    one-GPU timing recipe cuts it to 4 layers + the MTP layer through hf_overrides."""
+    from pathlib import Path
+
+    from checkpoints import reference_config
+
+    from specgen.checkpoints.loading import target_config
+    from specgen.job import estimate_bytes, resolve
+    from specgen.models.deepseek_v3 import DeepseekV3ForCausalLM
+    from specgen.recipe import load_recipe
+
+    cfg = target_config(reference_config("deepseek-ai__DeepSeek-V3.config.json"))
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_parameters() == 671_026_419_200
+    recipe = load_recipe(Path(__file__).parent.parent / "recipes" / "deepseek-v3-dummy-mtp.yaml",
+                         ["runtime.device=cpu", "target.dtype=bfloat16"])
+    r = resolve(recipe)
+    assert r.target_config["num_hidden_layers"] == 4 and r.draft_config is r.target_config
+    parts = estimate_bytes(recipe, r)
+    assert parts["target weights"] == target_config(r.target_config).num_parameters() * 2
+    assert 50e9 < parts["target weights"] + parts["draft weights"] < 60e9     # fits one 80 GB GPU

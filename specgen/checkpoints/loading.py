@@ -10,7 +10,8 @@ Contract:
   method's weight prefix; none when dummy) and hands them to the method's builder: drafts receive
   tensors and never open files.
 - `has_draft_layers(method, folder, config)`: whether a checkpoint carries a method's layers (MTP
-  layers inside a target checkpoint), from the file headers alone.
+  layers inside a target checkpoint), from the file headers alone; `unread_tensor_groups` names
+  what a target leaves unread (Kimi K2.5's vision encoder in a text-only run).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device
     if not dummy:
         quant = quantization_of(config, where)
         state = builder.convert_state_dict(
-            read_tensors(weight_files(folder), device=device, dtype=dtype, quantization=quant), cfg)
+            read_tensors(weight_files(folder), device=device, dtype=dtype, quantization=quant,
+                         reads=builder.reads), cfg)
     model = build(lambda: builder.model_cls(cfg), state, dtype=dtype, device=device, seed=seed,
                   where=str(folder))
     return model.eval().requires_grad_(False)
@@ -69,6 +71,15 @@ def load_draft(method: str, config: dict, folder: Path | None, target, *,
     draft = builder.build(config, state, target, num_speculative_tokens=num_speculative_tokens,
                           dtype=dtype, device=device, seed=seed, where=str(folder) if folder else "draft")
     return draft.eval().requires_grad_(False)
+
+
+def unread_tensor_groups(config: dict, folder: Path | None) -> list[str]:
+    """Top-level names of the checkpoint tensors the target's architecture does not read (for the log:
+    Kimi K2.5's `vision_tower`, `mm_projector`), from the file headers."""
+    if folder is None:
+        return []
+    reads = target_builder(config).reads
+    return sorted({n.split(".", 1)[0] for n in tensor_names(folder) if not reads(n)})
 
 
 def has_draft_layers(method: str, folder: Path | None, config: dict) -> bool:

@@ -12,6 +12,7 @@ checkpoints/quantized.py) are kept as stored until the whole read is done, then 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -31,15 +32,17 @@ def keeps_float32(name: str) -> bool:
 
 def read_tensors(files: list[Path], *, prefix: str = "", strip_prefix: bool = False,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
-                 quantization: Quantization | None = None) -> dict[str, torch.Tensor]:
-    """`quantization`: what the config says (quantized.quantization_of); None reads shapes from scales."""
+                 quantization: Quantization | None = None,
+                 reads: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """`quantization`: what the config says (quantized.quantization_of); None reads shapes from scales.
+    `reads(name)`: False for tensors to leave in the file (a text-only run's vision encoder)."""
     state: dict[str, torch.Tensor] = {}
     quantized = False
     for path in files:
         try:
             with safe_open(str(path), framework="pt", device=str(device)) as f:
                 for key in f.keys():
-                    if key.startswith(prefix):
+                    if key.startswith(prefix) and (reads is None or reads(key)):
                         tensor = f.get_tensor(key)
                         stored = is_quantized_part(key, tensor)   # dequantised below
                         quantized = quantized or stored

@@ -4,8 +4,8 @@ Contract: `ARCHITECTURE` builds our `DeepseekV3ForCausalLM` from a `KimiK25ForCo
 config.json. The text model's config sits under `text_config` (`model_type` kimi_k2 or
 deepseek_v3; `rope_scaling` or `rope_parameters`; `torch_dtype` or `dtype` — RopeSettings and the
 loader read either spelling), and its weights under `language_model.` (`language_model.model.*`,
-`language_model.lm_head.weight`). Vision weights (`vision_tower.*`, `mm_projector.*`) are set aside
-by `convert_state_dict` and the job notes it in the log: prompts here are text only.
+`language_model.lm_head.weight`). Vision weights (`vision_tower.*`, `mm_projector.*`) are never read
+(`reads`), and the job notes it in the log: prompts here are text only.
 """
 
 from __future__ import annotations
@@ -44,9 +44,8 @@ def convert_kimi_state_dict(state: dict[str, torch.Tensor], cfg: DeepseekV3Confi
     return convert_hf_state_dict(text, cfg)
 
 
-def skipped_weights(names: list[str]) -> list[str]:
-    """Top-level groups of tensors a text-only run leaves out (for the log)."""
-    return sorted({n.split(".", 1)[0] for n in names if not n.startswith(TEXT_PREFIX)})
+def is_text_weight(name: str) -> bool:
+    return name.startswith(TEXT_PREFIX)
 
 
-ARCHITECTURE = TargetBuilder(KimiK25Config, DeepseekV3ForCausalLM, convert_kimi_state_dict)
+ARCHITECTURE = TargetBuilder(KimiK25Config, DeepseekV3ForCausalLM, convert_kimi_state_dict, is_text_weight)

@@ -86,11 +86,17 @@ class Target(Protocol):
     def static_tensors(self) -> list[torch.Tensor]: ...
 
 
+def _every_tensor(name: str) -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class TargetBuilder:
     """How the loader builds one architecture: config class (`from_hf`, `num_parameters`, `shape`,
-    `cache_bytes_per_token`), model class, and the adapter from checkpoint keys to ours."""
+    `cache_bytes_per_token`), model class, the adapter from checkpoint keys to ours, and which
+    checkpoint tensors it reads at all (`reads(name)`: Kimi K2.5's vision encoder is never read)."""
 
     config_cls: type
     model_cls: Callable[[Any], torch.nn.Module]
     convert_state_dict: Callable[[dict, Any], dict]
+    reads: Callable[[str], bool] = _every_tensor
