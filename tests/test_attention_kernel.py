@@ -31,14 +31,15 @@ def case(B, T, Hq, Hkv, D, L=80, slots=None, seed=0, dtype=torch.float32):
     (2, 4, 8, 2, 16, 3),     # split-K: partial results merged by log-sum-exp
     (2, 9, 6, 3, 32, 2),     # tile rows (t, g) spanning several query tiles
     (1, 37, 4, 1, 24, 1),    # prefill-sized T, head_dim not a power of two, MQA
+    (2, 3, 8, 1, 320, 2),    # MLA-like: one latent head wider than 256 (the wide-head tile sizes)
 ])
 def test_kernel_equals_reference(B, T, Hq, Hkv, D, splits):
     q, k_cache, v_cache, rows, positions = case(B, T, Hq, Hkv, D)
     L = k_cache.shape[2]
     mask = ak.causal_mask(positions, torch.arange(L))
     reference = ak.attention_reference(q, k_cache, v_cache, rows, mask, scale=D ** -0.5)
-    out = ak.attention_triton(q, k_cache, v_cache, rows, positions.contiguous(), D ** -0.5, splits,
-                              block_m=16, block_n=16)
+    blocks = {} if D > ak.WIDE_HEAD_DIM else {"block_m": 16, "block_n": 16}
+    out = ak.attention_triton(q, k_cache, v_cache, rows, positions.contiguous(), D ** -0.5, splits, **blocks)
     torch.testing.assert_close(out, reference, atol=2e-5, rtol=2e-5)
 
 

@@ -303,3 +303,25 @@ def test_full_deepseek_v3_config_builds_for_dummy_weights_and_is_estimated():
     parts = estimate_bytes(recipe, r)
     assert parts["target weights"] == target_config(r.target_config).num_parameters() * 2
     assert 50e9 < parts["target weights"] + parts["draft weights"] < 60e9     # fits one 80 GB GPU
+
+
+def test_mla_through_the_attention_kernel_equals_the_reference_path(tmp_path):
+    """The latent cache read by the Triton kernel (interpreted on CPU) as one head whose keys and
+    values are the same entries == the SDPA reference path, prefill then decode steps."""
+    from specgen.models.attention import AttentionBatch
+
+    model = load_fp32_target(write_deepseek_checkpoint(tmp_path / "ds", tiny_deepseek_config()))
+    ids = tokens(n=10)
+
+    def logits_through(use_kernel: bool) -> torch.Tensor:
+        cache = model.new_cache(2, 32, torch.float32, "cpu")
+        out = []
+        for start, end in ((0, 6), (6, 7), (7, 10)):
+            positions = torch.arange(start, end).expand(2, end - start).contiguous()
+            batch = AttentionBatch.build(positions, None, torch.arange(end), use_kernel)
+            with torch.no_grad():
+                hidden, _ = model(ids[:, start:end], positions, cache, batch)
+            out.append(model.logits(hidden))
+        return torch.cat(out, 1)
+
+    torch.testing.assert_close(logits_through(True), logits_through(False), atol=1e-4, rtol=1e-4)

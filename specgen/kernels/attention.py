@@ -154,6 +154,14 @@ if kn.should_jit_at_import():
 
 BLOCK_M = 64   # tile rows: (query, head-of-group) pairs
 BLOCK_N = 64   # keys per inner iteration
+# Wide heads (MLA's latent: kv_lora_rank + rope dims = 576, padded to 1024) take smaller tiles, so
+# that a K and a V tile and the fp32 accumulator stay within one SM's shared memory and registers.
+WIDE_HEAD_DIM, WIDE_BLOCK_M, WIDE_BLOCK_N = 256, 16, 32
+
+
+def tile_sizes(head_dim: int, block_m: int | None, block_n: int | None) -> tuple[int, int]:
+    wide = head_dim > WIDE_HEAD_DIM
+    return (block_m or (WIDE_BLOCK_M if wide else BLOCK_M), block_n or (WIDE_BLOCK_N if wide else BLOCK_N))
 
 
 def query_tiles(queries: int, group: int, block_m: int = BLOCK_M) -> int:
@@ -169,12 +177,13 @@ def choose_splits(batch: int, kv_heads: int, tiles: int, max_len: int, num_sms: 
 
 def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
                      positions: torch.Tensor, scale: float, splits: int = 1,
-                     block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> torch.Tensor:
+                     block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
     """Guarded launch of `_attention_kernel` (+ the log-sum-exp merge of the splits)."""
     # q: [B, T, Hq, D]; caches: [S, Hkv, L, D]; rows: [B]; positions: [B, T]
     if not _jitted:
         jit_kernels()
     B, T, Hq, D = q.shape
+    block_m, block_n = tile_sizes(D, block_m, block_n)
     S, Hkv, L, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape, "k/v caches must be [S, Hkv, L, D] like q's D"
     assert Hq % Hkv == 0, "query heads must be a multiple of KV heads"

@@ -97,7 +97,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     splits = 1
     if batch.num_sms > 1:   # decode: split long rows over programs (prefill has programs enough)
-        tiles = kernel.query_tiles(q.shape[1], q.shape[2] // k.shape[2])
+        block_m, _ = kernel.tile_sizes(q.shape[-1], None, None)
+        tiles = kernel.query_tiles(q.shape[1], q.shape[2] // k.shape[2], block_m)
         splits = kernel.choose_splits(q.shape[0], k.shape[2], tiles, cache.max_len, batch.num_sms)
     return kernel.cached_attention(q, cache.k[layer], cache.v[layer], rows, batch.positions.contiguous(),
                                    scale, splits)
