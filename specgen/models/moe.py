@@ -164,8 +164,8 @@ class MoE(nn.Module):
 def stack_expert_keys(state: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
     """Checkpoint experts `{prefix}experts.{e}.{gate,up,down}_proj.weight` -> our stacked
     `{prefix}experts.gate_up_proj [E, 2I, H]` and `{prefix}experts.down_proj [E, H, I]`, in place;
-    `shared_experts.{gate,up}_proj` fused like a dense MLP. Tensors are popped as they are stacked,
-    so the checkpoint never sits in memory twice."""
+    `shared_experts.{gate,up}_proj` fused like a dense MLP. One layer at a time: at most one layer's
+    experts are held twice while they are stacked."""
     names = [f"{prefix}experts.{e}.{p}_proj.weight" for e in range(num_experts) for p in ("gate", "up", "down")]
     if not all(n in state for n in names):
         return   # missing keys are reported by the loader, with their names
