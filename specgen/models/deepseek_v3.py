@@ -23,12 +23,13 @@ import torch
 from torch import nn
 
 from specgen.models.attention import AttentionBatch
+from specgen.models.decoder import DecoderTarget, beyond_last_layer
 from specgen.models.layers import (
     Attention,
     GatedMLP,
     RMSNorm,
     cached,
-    float32_logits,
+    fuse_attention_and_mlp_keys,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -136,7 +137,7 @@ class DeepseekV3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(DecoderTarget):
     def __init__(self, cfg: DeepseekV3Config) -> None:
         super().__init__()
         self.config = cfg
@@ -151,93 +152,29 @@ class DeepseekV3ForCausalLM(nn.Module):
     def _inv_freq(self) -> torch.Tensor:
         return rope_inv_freq(self.config.mla.qk_rope_head_dim, self.config.mla.rope)
 
-    # -- the Target protocol (models/protocol.py) -------------------------------------------------
-
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def input_embedding(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight
-
-    @property
-    def output_embedding(self) -> torch.Tensor:
-        return self.lm_head.weight
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(tokens)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(hidden)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return float32_logits(hidden, self.lm_head.weight)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.final_norm(hidden))
-
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> LatentCache:
         return LatentCache(self.config.num_layers, slots, max_len, self.config.mla.latent_dim, dtype, device)
-
-    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.config.cache_bytes_per_token(dtype)
-
-    def static_tensors(self) -> list[torch.Tensor]:
-        return [self.inv_freq]
-
-    def init_buffers(self, device) -> None:
-        self.inv_freq = self._inv_freq().to(device)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         # positions: [B, T] -> cos, sin [B, T, 1, qk_rope_head_dim], with yarn's attention factor
         return rope_cos_sin(positions, self.inv_freq, dtype, self.rope_scale)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: LatentCache, attn: AttentionBatch,
-                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # tokens, positions: [B, T] -> last layer output [B, T, H], captured [B, T, len(capture) * H] | None
-        h = self.embed(tokens)
-        cos, sin = self.rope(positions, h.dtype)
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, i, attn)
-            if i in capture:
-                captured[i] = h
-        aux = torch.cat([captured[i] for i in capture], -1) if capture else None
-        return h, aux
-
 
 def adapt_layer_keys(state: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
     """One decoder layer's checkpoint keys under `prefix` -> ours, in place (dense gate|up fused,
     experts stacked)."""
-    gate, up = f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"
-    if gate in state and up in state:
-        state[f"{prefix}mlp.gate_up_proj.weight"] = torch.cat((state.pop(gate), state.pop(up)))
+    fuse_attention_and_mlp_keys(state, prefix)    # MLA has no q/k/v projections: gate|up only
     stack_expert_keys(state, f"{prefix}mlp.", num_experts)
 
 
 def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: DeepseekV3Config) -> dict[str, torch.Tensor]:
     """HF DeepSeek-V3 keys -> ours; the MTP layer(s) past the last layer are left to drafts/mtp.py."""
-    state = {k: v for k, v in state.items() if not _beyond_last_layer(k, cfg.num_layers)}
+    state = {k: v for k, v in state.items() if not beyond_last_layer(k, cfg.num_layers)}
     for i in range(cfg.num_layers):
         adapt_layer_keys(state, f"model.layers.{i}.", cfg.moe.n_routed_experts)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
-
-
-def _beyond_last_layer(key: str, num_layers: int) -> bool:
-    parts = key.split(".", 3)
-    return (len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit()
-            and int(parts[2]) >= num_layers)
 
 
 ARCHITECTURE = TargetBuilder(DeepseekV3Config, DeepseekV3ForCausalLM, convert_hf_state_dict)

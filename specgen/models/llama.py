@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from specgen.models.attention import AttentionBatch, KVCache
+from specgen.models.decoder import DecoderTarget, beyond_last_layer
 from specgen.models.layers import (
     Attention,
     CachedSelfAttention,
@@ -25,7 +26,6 @@ from specgen.models.layers import (
     RMSNorm,
     RopeSettings,
     cached,
-    float32_logits,
     fuse_attention_and_mlp_keys,
     rope_cos_sin,
     rope_inv_freq,
@@ -113,7 +113,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(DecoderTarget):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -122,68 +122,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, two names
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
 
-    # -- the Target protocol (models/protocol.py) -------------------------------------------------
+    def _inv_freq(self) -> torch.Tensor:
+        return rope_inv_freq(self.config.head_dim, self.config.rope)
 
-    @property
-    def num_layers(self) -> int:
-        return self.config.num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self.config.hidden_size
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def input_embedding(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight
-
-    @property
-    def output_embedding(self) -> torch.Tensor:
-        return self.lm_head.weight
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(tokens)
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(hidden)
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        return float32_logits(hidden, self.lm_head.weight)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.final_norm(hidden))
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(positions, self.inv_freq, dtype)
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.config
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
-
-    def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return self.config.cache_bytes_per_token(dtype)
-
-    def static_tensors(self) -> list[torch.Tensor]:
-        return [self.inv_freq]
-
-    def init_buffers(self, device) -> None:
-        self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache, attn: AttentionBatch,
-                capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # tokens, positions: [B, T] -> last layer output [B, T, H], captured [B, T, len(capture) * H] | None
-        h = self.embed(tokens)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, h.dtype)
-        captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos, sin, cache, i, attn)
-            if i in capture:
-                captured[i] = h
-        # The config's order, not layer order, defines the concatenation (fc weights depend on it).
-        aux = torch.cat([captured[i] for i in capture], -1) if capture else None
-        return h, aux
 
 
 def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> dict[str, torch.Tensor]:
@@ -191,18 +140,12 @@ def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> d
 
     Layers at index >= num_layers are MTP layers (DeepSeek layout, drafts/mtp.py), not the target's:
     dropped here, as transformers does."""
-    state = {k: v for k, v in state.items() if not _beyond_last_layer(k, cfg.num_layers)}
+    state = {k: v for k, v in state.items() if not beyond_last_layer(k, cfg.num_layers)}
     for i in range(cfg.num_layers):
         fuse_attention_and_mlp_keys(state, f"model.layers.{i}.")
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]  # the same tensor: one copy
     return state
-
-
-def _beyond_last_layer(key: str, num_layers: int) -> bool:
-    parts = key.split(".", 3)
-    return (len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit()
-            and int(parts[2]) >= num_layers)
 
 
 ARCHITECTURE = TargetBuilder(LlamaConfig, LlamaForCausalLM, convert_hf_state_dict)
