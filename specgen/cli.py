@@ -238,6 +238,8 @@ def _print_summary(summary) -> None:
     if spec["mean_acceptance_length"] is not None:
         line += (f"; mean acceptance length {spec['mean_acceptance_length']:.2f}, "
                  f"draft acceptance rate {spec['draft_acceptance_rate']:.1%}")
+        if spec["num_relaxed_accepted_tokens"]:
+            line += f" ({spec['num_relaxed_accepted_tokens']} tokens accepted only by relaxed acceptance: lossy)"
     console.print(line, highlight=False)
     console.print(f"results: {summary.output}\nstats:   {summary.stats_file}", highlight=False, soft_wrap=True)
 

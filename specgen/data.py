@@ -17,7 +17,8 @@ Contract:
 - `ResultWriter` appends one JSON line per result with a single `os.write` on an O_APPEND descriptor,
   so a killed run leaves at most one torn trailing line, which the next resume cuts off. It knows the
   ids already written (`done_ids`), which is how a run resumes.
-- `tokenize_prompt` applies the chat template (or plain encoding) to give the prompt's token ids.
+- `tokenize_prompt` applies the chat template (or plain encoding) to give the prompt's token ids;
+  `tokenize_with_generation_start` also says where the template's generation prompt starts.
 """
 
 from __future__ import annotations
@@ -310,9 +311,11 @@ def error_record(record: PromptRecord, message: str) -> dict:
     return {
         "id": record.id,
         "text": "",
+        "reasoning_text": None,
         "token_ids": [],
         "num_prompt_tokens": 0,
         "num_output_tokens": 0,
+        "num_reasoning_tokens": 0,
         "finish_reason": "error",
         "error": message,
         "spec": None,
@@ -413,25 +416,47 @@ def _read_ids(path: Path) -> set[str]:
 # --- tokenising ------------------------------------------------------------------------------
 
 
-def tokenize_prompt(record: PromptRecord, tokenizer: Any, chat_template: bool) -> list[int]:
-    """Token ids of a prompt: through the chat template, or plain encoding when it is off."""
+def tokenize_prompt(record: PromptRecord, tokenizer: Any, chat_template: bool,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+    """Token ids of a prompt: through the chat template (given `template_kwargs` as extra template
+    variables, e.g. `thinking`), or plain encoding when it is off."""
+    return tokenize_with_generation_start(record, tokenizer, chat_template, template_kwargs,
+                                          find_start=False)[0]
+
+
+def tokenize_with_generation_start(record: PromptRecord, tokenizer: Any, chat_template: bool,
+                                   template_kwargs: Mapping[str, Any] | None = None,
+                                   find_start: bool = True) -> tuple[list[int], int]:
+    """(token ids, where the template's generation prompt starts in them). What comes before that is
+    the conversation (text a user wrote may hold a literal `<think>`); what the template adds for
+    the answer (`<think>` in thinking mode) starts there. 0 without a template, or when the prompt
+    rendered without the generation prompt is not a prefix of the one with it."""
     messages = record.messages
+    start = 0
     if chat_template:
         if getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; set chat_template: false")
         if messages is None:
             messages = [{"role": "user", "content": record.prompt or ""}]
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        # transformers 5 returns a BatchEncoding (a mapping) here; older versions a plain list.
-        if isinstance(out, Mapping):
-            out = out["input_ids"]
-        ids = _flat_ids(out)
+        kwargs = dict(template_kwargs or {})
+        ids = _template_ids(tokenizer, messages, True, kwargs)
+        if find_start:
+            conversation = _template_ids(tokenizer, messages, False, kwargs)
+            start = len(conversation) if ids[: len(conversation)] == conversation else 0
     else:
         text = record.prompt if messages is None else "\n\n".join(m["content"] for m in messages)
         ids = _flat_ids(tokenizer.encode(text or ""))
     if not ids:
         raise ValueError(f"prompt {record.id!r} encodes to no tokens")
-    return ids
+    return ids, start
+
+
+def _template_ids(tokenizer: Any, messages: list[dict], generation_prompt: bool, kwargs: dict) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True, **kwargs)
+    # transformers 5 returns a BatchEncoding (a mapping) here; older versions a plain list.
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    return _flat_ids(out)
 
 
 def _flat_ids(out: Any) -> list[int]:

@@ -31,9 +31,11 @@ from specgen.checkpoints.store import CheckpointError, cache_root, read_config, 
 from specgen.checkpoints.weights import tensor_names
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
-                          stats_path, tokenize_prompt, write_json_atomic)
+                          stats_path, tokenize_with_generation_start, write_json_atomic)
 from specgen.machine import choose_threads
 from specgen.pipelines.compiled import freezes, use_compile_cache
+from specgen.pipelines.reasoning import THINK_END, THINK_START, ReasoningMarkers
+from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
 from specgen.pipelines.stops import StopRules, eos_ids_from
 from specgen.pipelines.unified import UnifiedStep
@@ -154,11 +156,13 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     rows, vocab, hidden = b * (k + 1), cfg.vocab_size, cfg.hidden_size
     s = recipe.sampling
     filters = s.temperature > 0 and (s.top_p < 1 or s.top_k > 0)
+    relaxed = s.relaxed_acceptance is not None and k > 0
     parts = {
         "target weights": cfg.num_parameters() * item,
         "target KV cache": cfg.cache_bytes_per_token(r.dtype) * b * seq,
-        # fp32 logits, processed log-probs, noise scores; top-k / top-p: probabilities, keys, masks
-        "logits workspace": rows * vocab * 4 * (3 + (4 if filters else 0)),
+        # fp32 logits, processed log-probs, noise scores; top-k / top-p: probabilities, keys, masks;
+        # relaxed acceptance: probabilities and a comparison
+        "logits workspace": rows * vocab * 4 * (3 + (4 if filters else 0) + (2 if relaxed else 0)),
         # the reference path's scores over the longest bucket (the kernel's split-K partials are less)
         "attention workspace": rows * cfg.num_heads * seq * 4,
         "activations": rows * (2 * cfg.intermediate_size + 6 * hidden) * 4,
@@ -252,6 +256,9 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     notes: list[str] = []
     threads, why_threads = choose_threads(recipe.runtime.threads)
     torch.set_num_threads(threads)
+    if tokenizer is None:     # first: a recipe its tokenizer cannot serve stops before weights load
+        tokenizer = load_tokenizer(r.target_folder, target_config(r.target_config).vocab_size)
+    markers = reasoning_markers(recipe, tokenizer)
     dummy_target = recipe.target.load_format == "dummy"
     if target is None:
         target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
@@ -263,8 +270,6 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
         unread = unread_tensor_groups(r.target_config, r.target_folder)
         if unread:
             notes.append(f"text-only run: the checkpoint's {', '.join(unread)} weights are not loaded")
-    if tokenizer is None:
-        tokenizer = load_tokenizer(r.target_folder, target.vocab_size)
     draft = None
     if recipe.draft.enabled:
         builder = DRAFT_METHODS[recipe.draft.method].builder()
@@ -278,30 +283,60 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
             notes.append(f"draft.load_format is dummy: a RANDOMLY INITIALISED {recipe.draft.method} "
                          "draft (deterministic, demo only); output equals the target's alone but "
                          "acceptance is near zero")
-    use_kernel, num_sms = attention_kernel_for(r.device)
-    step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,
-                       num_sms=num_sms)
-    s = recipe.sampling
-    b = recipe.runtime.batch_size
-    sampling = SamplingTensors.build([s.temperature] * b, [s.top_k] * b, [s.top_p] * b,
-                                     [s.min_p] * b, r.device)
     generation_config = {}
     if r.target_folder and (r.target_folder / "generation_config.json").is_file():
         generation_config = json.loads((r.target_folder / "generation_config.json").read_text())
     eos = eos_ids_from(tokenizer, generation_config, r.target_config)
+    relaxed = None
+    spec = recipe.sampling.relaxed_acceptance
+    if spec is not None and markers is not None:
+        if draft is None:
+            notes.append("sampling.relaxed_acceptance has no effect without a draft")
+        else:
+            relaxed = RelaxedAcceptance(spec.top_k, spec.delta, markers, tuple(sorted(eos)))
+            notes.append(f"sampling.relaxed_acceptance is on (top_k {spec.top_k}, delta {spec.delta}): LOSSY "
+                         "inside reasoning spans, whose tokens are no longer distributed as the target's; "
+                         "the rest is verified strictly")
+    use_kernel, num_sms = attention_kernel_for(r.device)
+    step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,
+                       num_sms=num_sms, relaxed=relaxed)
+    s = recipe.sampling
+    b = recipe.runtime.batch_size
+    sampling = SamplingTensors.build([s.temperature] * b, [s.top_k] * b, [s.top_p] * b,
+                                     [s.min_p] * b, r.device)
     rules = StopRules(eos, tuple(s.stop), s.ignore_eos,
                       lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     compile, why_compile = decide_compile(recipe, r.device, expected_steps, b * (step.k + 1))
     if compile:
         use_compile_cache(cache_root() / "compiled")
     runner = Runner(step, batch_size=b, max_seq_len=recipe.runtime.max_seq_len, rules=rules,
-                    sampling=sampling, seed=seed, device=r.device, dtype=r.dtype, compile=compile)
+                    sampling=sampling, seed=seed, device=r.device, dtype=r.dtype, compile=compile,
+                    reasoning=markers)
     draft_part = (f"draft {recipe.draft.method} K={step.k}" if draft is not None else "no draft")
+    if relaxed is not None:
+        draft_part += ", relaxed acceptance in reasoning (lossy)"
     device = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu"
     runner.header = (f"{device}, {str(r.dtype).removeprefix('torch.')}, "
                      f"{threads} thread{'s' * (threads != 1)} ({why_threads}), "
                      f"compile {'on' if compile else 'off'} ({why_compile}), batch {b}, {draft_part}")
     return runner, tokenizer, notes
+
+
+def reasoning_markers(recipe: Recipe, tokenizer) -> ReasoningMarkers | None:
+    """The tokenizer's reasoning markers when the recipe splits reasoning (`reasoning: auto` does
+    where the tokenizer has them); a recipe that needs them from a tokenizer without is a JobError."""
+    if recipe.reasoning is False:
+        return None
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    markers = ReasoningMarkers.from_vocab(vocab)
+    if markers is None:
+        missing = f"the tokenizer has no {THINK_START} / {THINK_END} tokens (not a reasoning model)"
+        if recipe.reasoning is True:
+            raise JobError(f"recipe.reasoning: {missing}; set reasoning: auto or false")
+        if recipe.sampling.relaxed_acceptance is not None:
+            raise JobError(f"recipe.sampling.relaxed_acceptance: applies inside reasoning spans only, and "
+                           f"{missing}; remove it")
+    return markers
 
 
 def attention_kernel_for(device: torch.device) -> tuple[bool, int]:
@@ -326,17 +361,20 @@ def _requests(records: list[PromptRecord], tokenizer, recipe: Recipe) -> Iterato
             yield Request(record.id, [], max_tokens, 0, error=record.error)
             continue
         try:
-            ids = tokenize_prompt(record, tokenizer, recipe.chat_template and tokenizer.chat_template is not None)
+            ids, start = tokenize_with_generation_start(
+                record, tokenizer, recipe.chat_template and tokenizer.chat_template is not None,
+                recipe.chat_template_kwargs)
         except Exception as err:  # a prompt the tokenizer rejects is that prompt's error only
             yield Request(record.id, [], max_tokens, 0, error=f"tokenisation failed: {err}")
             continue
-        yield Request(record.id, ids, max_tokens, request_key(record.id))
+        yield Request(record.id, ids, max_tokens, request_key(record.id), generation_start=start)
 
 
 def result_record(c: Completion) -> dict:
     return {
-        "id": c.id, "text": c.text, "token_ids": c.token_ids, "num_prompt_tokens": c.num_prompt_tokens,
-        "num_output_tokens": len(c.token_ids), "finish_reason": c.finish_reason, "error": c.error,
+        "id": c.id, "text": c.text, "reasoning_text": c.reasoning_text, "token_ids": c.token_ids,
+        "num_prompt_tokens": c.num_prompt_tokens, "num_output_tokens": len(c.token_ids),
+        "num_reasoning_tokens": c.num_reasoning_tokens, "finish_reason": c.finish_reason, "error": c.error,
         "spec": c.spec.to_dict() if c.spec is not None else None,
     }
 

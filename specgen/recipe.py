@@ -84,6 +84,15 @@ class DraftSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class RelaxedAcceptanceSpec:
+    """LOSSY, opt-in: inside reasoning spans, accept a draft the target ranks in its top_k and within
+    delta of its top-1 probability (TensorRT-LLM's published setting: 10 and 0.6)."""
+
+    top_k: int = 10
+    delta: float = 0.6
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingSpec:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off (-1 is accepted in a recipe and stored as 0)
@@ -93,6 +102,7 @@ class SamplingSpec:
     max_tokens: int = 256
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    relaxed_acceptance: RelaxedAcceptanceSpec | None = None  # None = strict (lossless) everywhere
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +163,10 @@ class Recipe:
     prompts: str = "default"  # "default", "sharegpt", or a path to a .jsonl file
     output: str = "outputs/recipe.jsonl"  # always resolved; see recipe_from_dict
     chat_template: bool = True
+    # extra variables for the chat template, e.g. {thinking: false} (Kimi K2.5's instant mode)
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # split `<think>` reasoning from the text: None = auto (when the tokenizer has the markers)
+    reasoning: bool | None = None
     train: TrainSpec | None = None  # only `specgen train-draft` reads it
     source: Path | None = None  # the recipe file, when there is one
 
@@ -382,11 +396,14 @@ def _default_output(source: Path | None) -> str:
     return f"outputs/{source.stem if source is not None else 'recipe'}.jsonl"
 
 
-_TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_template", "train")
+_TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_template",
+        "chat_template_kwargs", "reasoning", "train")
 _TRAIN = tuple(TrainSpec.__dataclass_fields__)
 _TARGET = ("model", "dtype", "load_format", "hf_overrides")
 _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic")
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos")
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos",
+             "relaxed_acceptance")
+_RELAXED = ("top_k", "delta")
 _RUNTIME = ("device", "batch_size", "max_seq_len", "compile", "threads")
 
 
@@ -448,6 +465,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         max_tokens=check.get(s, "sampling.max_tokens", _integer(1), 256),
         stop=_stop_list(check, s),
         ignore_eos=check.get(s, "sampling.ignore_eos", _boolean, False),
+        relaxed_acceptance=_relaxed_acceptance(check, s),
     )
 
     r = check.section(data, "runtime", _RUNTIME)
@@ -464,6 +482,11 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
     prompts = check.get(data, "prompts", _string, "default")
     output = check.get(data, "output", _optional(_string), None)
     chat_template = check.get(data, "chat_template", _boolean, True)
+    template_kwargs = check.get(data, "chat_template_kwargs", _optional(_variables), None) or {}
+    reasoning = check.get(data, "reasoning", _auto_or(_switch), None)
+    if reasoning is False and sampling.relaxed_acceptance is not None:
+        check.problems.append(("sampling.relaxed_acceptance", "applies inside reasoning spans only, and "
+                                                              "reasoning is false"))
 
     if check.problems:
         (path, problem), *more = check.problems
@@ -476,8 +499,33 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         prompts=prompts,
         output=output if output is not None else _default_output(source),
         chat_template=chat_template,
+        chat_template_kwargs=template_kwargs,
+        reasoning=reasoning,
         train=train,
         source=source,
+    )
+
+
+def _variables(value: object) -> dict[str, Any]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise _Bad(f"expected a mapping of template variables, e.g. {{thinking: false}}, got {_show(value)}")
+    return dict(value)
+
+
+def _relaxed_acceptance(check: _Checker, sampling: Mapping[str, Any] | None) -> RelaxedAcceptanceSpec | None:
+    value = (sampling or {}).get("relaxed_acceptance")
+    if value is None:
+        return None
+    path = "sampling.relaxed_acceptance"
+    if not isinstance(value, dict):
+        check.problems.append((path, f"expected a mapping {{top_k, delta}} or null, got {_show(value)}"))
+        return None
+    check.unknown(value, path, _RELAXED)
+    d = RelaxedAcceptanceSpec()
+    return RelaxedAcceptanceSpec(
+        top_k=check.get(value, f"{path}.top_k", _integer(1), d.top_k),
+        delta=check.get(value, f"{path}.delta", _in_range(_number, lambda x: 0 <= x <= 1, "must be >= 0 and <= 1"),
+                        d.delta),
     )
 
 

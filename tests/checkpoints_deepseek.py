@@ -9,7 +9,9 @@ enorm, hnorm, eh_proj, the block, shared_head.{norm,head}). Options: block-FP8 w
 `language_model.` prefix, a few vision tensors that a text run must skip).
 
 `hf_reference(folder)` returns the transformers model holding exactly the weights our loader reads
-(FP8 dequantised the same way), for logits comparisons.
+(FP8 dequantised the same way), for logits comparisons. `write_tiktoken_tokenizer` gives a folder
+Kimi's tokenizer layout (`tiktoken.model`, specials in tokenizer_config.json, optionally a chat
+template).
 """
 
 from __future__ import annotations
@@ -194,6 +196,35 @@ def write_kimi_checkpoint(folder: Path, config: dict, *, seed: int = 0) -> Path:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
+
+
+# A chat template shaped like Kimi K2.5's at its end: thinking mode (the default) opens the
+# assistant's reasoning span in the prompt, instant mode (`thinking: false`) closes it at once.
+KIMI_LIKE_TEMPLATE = (
+    "{%- for m in messages -%}<|im_user|>{{ m['content'] }}<|im_end|>{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>"
+    "{%- if thinking is defined and not thinking -%}<think></think>{%- else -%}<think>{%- endif -%}"
+    "{%- endif -%}")
+
+
+def write_tiktoken_tokenizer(folder: Path, extra: dict[int, str], chat_template: str | None = None) -> None:
+    """Kimi's tokenizer layout: `tiktoken.model` (base64 token, rank per line) and a tokenizer_config
+    whose auto_map names remote code (tokenization_kimi.py), special tokens in added_tokens_decoder.
+    Ids 0..255 are bytes, 256..258 "he", "ll", "hello"; `extra` places the specials."""
+    import base64
+
+    pieces = [bytes([i]) for i in range(256)] + [b"he", b"ll", b"hello"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tiktoken.model").write_text(
+        "".join(f"{base64.b64encode(p).decode()} {i}\n" for i, p in enumerate(pieces)))
+    config = {
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "tokenizer_class": "TikTokenTokenizer",
+        "added_tokens_decoder": {str(i): {"content": t, "special": True} for i, t in extra.items()},
+        "bos_token": extra[min(extra)], "eos_token": extra[max(extra)]}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def hf_reference(folder: Path):

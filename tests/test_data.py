@@ -250,9 +250,11 @@ def test_error_record_has_all_fields():
     assert record == {
         "id": "q",
         "text": "",
+        "reasoning_text": None,
         "token_ids": [],
         "num_prompt_tokens": 0,
         "num_output_tokens": 0,
+        "num_reasoning_tokens": 0,
         "finish_reason": "error",
         "error": "bad",
         "spec": None,

@@ -20,6 +20,7 @@ from checkpoints_deepseek import (
     tiny_kimi_config,
     write_deepseek_checkpoint,
     write_kimi_checkpoint,
+    write_tiktoken_tokenizer,
 )
 from model_calls import logits as our_logits
 
@@ -232,23 +233,6 @@ def test_grouped_and_gathered_experts_equal_a_loop_over_tokens():
         torch.testing.assert_close(moe.experts._grouped(x, weights, experts), expected, atol=1e-5, rtol=1e-5)
         # the routing really spreads tokens over several experts, some unused
         assert 1 < len(set(experts.flatten().tolist())) <= cfg.n_routed_experts
-
-
-def write_tiktoken_tokenizer(folder, extra: dict[int, str]) -> None:
-    """Kimi's tokenizer layout: `tiktoken.model` (base64 token, rank per line) and a tokenizer_config
-    whose auto_map names remote code (tokenization_kimi.py), special tokens in added_tokens_decoder."""
-    import base64
-    import json
-
-    pieces = [bytes([i]) for i in range(256)] + [b"he", b"ll", b"hello"]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tiktoken.model").write_text(
-        "".join(f"{base64.b64encode(p).decode()} {i}\n" for i, p in enumerate(pieces)))
-    (folder / "tokenizer_config.json").write_text(json.dumps({
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
-        "tokenizer_class": "TikTokenTokenizer",
-        "added_tokens_decoder": {str(i): {"content": t, "special": True} for i, t in extra.items()},
-        "bos_token": extra[min(extra)], "eos_token": extra[max(extra)]}))
 
 
 def test_kimi_tiktoken_tokenizer_loads_without_remote_code(tmp_path):

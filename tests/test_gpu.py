@@ -109,7 +109,7 @@ def deepseek_pairings(tmp_path_factory):
 
 
 
-def deepseek_recipe(target, method, draft, k):
+def deepseek_recipe(target, method, draft, k, compile=True, **sampling):
     d = {"method": method}
     if method != "none":
         d["num_speculative_tokens"] = k
@@ -117,8 +117,8 @@ def deepseek_recipe(target, method, draft, k):
         d["model"] = str(draft)    # MTP has none: its layer is read from the target checkpoint
     return recipe_from_dict({
         "target": {"model": str(target), "dtype": "bfloat16"}, "draft": d,
-        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7},
-        "runtime": {"device": "cuda", "batch_size": 4, "max_seq_len": 512, "compile": True},
+        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
+        "runtime": {"device": "cuda", "batch_size": 4, "max_seq_len": 512, "compile": compile},
         "chat_template": False,
     })
 
@@ -132,3 +132,34 @@ def test_bf16_deepseek_pairings_equal_plain_in_cuda_graphs(deepseek_pairings, na
     plain, _ = tokens_of(deepseek_recipe(target, "none", None, k), ids)
     spec, totals = tokens_of(deepseek_recipe(target, method, draft, k), ids)
     assert spec == plain and totals.spec.num_drafts > 0
+
+
+def test_relaxed_acceptance_in_cuda_graphs_equals_eager(deepseek_pairings):
+    """Relaxed acceptance inside the graphed step (the per-row reasoning flag, the relaxed mask, the
+    Triton verify kernel's relaxed input) on sampled rows: the eager CUDA step's tokens, and some
+    drafts accepted only by relaxation (tests/test_reasoning.py has the CPU checks)."""
+    from specgen.pipelines.reasoning import ReasoningMarkers
+    from specgen.pipelines.relaxed import RelaxedAcceptance
+    from specgen.pipelines.runner import Runner
+    from specgen.pipelines.unified import UnifiedStep
+
+    target, method, draft, k = deepseek_pairings["kimi-eagle3-mla"]
+    markers = ReasoningMarkers(500, 3)                  # the test's markers; real runs find them by string
+    ids = [p + [500] for p in prompts(vocab=512)]       # each prompt opens a reasoning span
+    results = []
+    for compile in (False, True):
+        recipe = deepseek_recipe(target, method, draft, k, compile=compile, temperature=0.8, top_p=0.95)
+        base, _, _ = build_runner(recipe, resolve(recipe), recipe.sampling.seed)
+        step = UnifiedStep(base.unified.target, base.unified.draft, use_kernel=True,
+                           num_sms=base.unified.num_sms, relaxed=RelaxedAcceptance(16, 0.9, markers))
+        runner = Runner(step, batch_size=base.batch_size, max_seq_len=base.max_seq_len, rules=base.rules,
+                        sampling=base.sampling, seed=base.seed, device=base.device, dtype=torch.bfloat16,
+                        compile=compile, reasoning=markers)
+        base.close()
+        try:
+            results.append(run(runner, ids))
+        finally:
+            runner.close()
+    (eager, _), (graphed, totals) = results
+    assert graphed == eager
+    assert totals.spec.num_relaxed_accepted_tokens > 0

@@ -100,7 +100,7 @@ def test_int_accepted_as_float():
         (
             {**MINIMAL, "sampler": {}},
             "recipe.sampler: unknown key (known: target, draft, sampling, runtime, prompts, output, chat_template, "
-            "train)",
+            "chat_template_kwargs, reasoning, train)",
         ),
         ({}, "recipe.target.model: required"),
         ({"target": {"model": ""}}, "recipe.target.model: must not be empty"),
@@ -286,3 +286,36 @@ def test_shipped_recipes_load_and_run_without_their_draft(path):
     plain = load_recipe(path, ["draft.method=none"])
     assert plain.draft.method == "none" and plain.train is None
     assert recipe.train is None or recipe.draft.model is not None
+
+
+def test_reasoning_fields_default_validate_and_round_trip():
+    recipe = recipe_from_dict(MINIMAL)
+    assert recipe.sampling.relaxed_acceptance is None and recipe.reasoning is None
+    assert recipe.chat_template_kwargs == {}
+    data = apply_overrides(MINIMAL, ["sampling.relaxed_acceptance={top_k: 5}", "reasoning=auto",
+                                     "chat_template_kwargs={thinking: false}"])
+    recipe = recipe_from_dict(data)
+    assert (recipe.sampling.relaxed_acceptance.top_k, recipe.sampling.relaxed_acceptance.delta) == (5, 0.6)
+    assert recipe.reasoning is None and recipe.chat_template_kwargs == {"thinking": False}
+    assert recipe_from_dict(recipe.to_dict()) == recipe
+    assert recipe_from_dict({**MINIMAL, "sampling": {"relaxed_acceptance": {}}}).sampling.relaxed_acceptance.top_k == 10
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    ({**MINIMAL, "sampling": {"relaxed_acceptance": {"top_k": 0}}}, "recipe.sampling.relaxed_acceptance.top_k: must be >= 1"),
+    ({**MINIMAL, "sampling": {"relaxed_acceptance": {"delta": 1.5}}},
+     "recipe.sampling.relaxed_acceptance.delta: must be >= 0 and <= 1"),
+    ({**MINIMAL, "sampling": {"relaxed_acceptance": {"topk": 3}}},
+     "recipe.sampling.relaxed_acceptance.topk: unknown key (known: top_k, delta)"),
+    ({**MINIMAL, "sampling": {"relaxed_acceptance": True}},
+     "recipe.sampling.relaxed_acceptance: expected a mapping {top_k, delta} or null, got true"),
+    ({**MINIMAL, "reasoning": False, "sampling": {"relaxed_acceptance": {}}},
+     "recipe.sampling.relaxed_acceptance: applies inside reasoning spans only, and reasoning is false"),
+    ({**MINIMAL, "reasoning": "yes"}, "recipe.reasoning: expected true, false or auto, got 'yes'"),
+    ({**MINIMAL, "chat_template_kwargs": ["thinking"]},
+     "recipe.chat_template_kwargs: expected a mapping of template variables, e.g. {thinking: false}, got ['thinking']"),
+])
+def test_reasoning_field_errors(data, expected):
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(data)
+    assert str(err.value) == expected

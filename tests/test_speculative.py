@@ -245,10 +245,10 @@ def test_distribution_test_catches_a_lossy_verifier(small_vocab_models, monkeypa
     honest = unified.verify
 
     def accept_everything(logprobs, drafts, draft_probs, greedy, key, positions, **flags):
-        accepted, emitted = honest(logprobs, drafts, draft_probs, greedy, key, positions, **flags)
+        accepted, emitted, _ = honest(logprobs, drafts, draft_probs, greedy, key, positions, **flags)
         k = drafts.shape[1]
         bonus = emitted.gather(1, accepted.unsqueeze(1))
-        return torch.full_like(accepted, k), torch.cat((drafts, bonus), 1)
+        return torch.full_like(accepted, k), torch.cat((drafts, bonus), 1), torch.zeros_like(accepted)
 
     target, draft = small_vocab_models
     prompt, n = [5, 9, 2, 17, 11], 3000

@@ -25,8 +25,8 @@ def _plain(logprobs, greedy, key, positions):
     """Plain decoding of every row on its own (K = 0 through the same verify): [B, K+1]."""
     cols = []
     for i in range(logprobs.shape[1]):
-        acc, em = verify(logprobs[:, i : i + 1].contiguous(), positions[:, :0], None, greedy, key,
-                         positions[:, i : i + 1].contiguous(), force_kernel=False)
+        acc, em, _ = verify(logprobs[:, i : i + 1].contiguous(), positions[:, :0], None, greedy, key,
+                            positions[:, i : i + 1].contiguous(), force_kernel=False)
         assert (acc == 0).all() and em.shape == (logprobs.shape[0], 1)
         cols.append(em[:, 0])
     return torch.stack(cols, dim=1)
@@ -38,7 +38,7 @@ def test_shapes_dtypes_and_padding():
     logprobs = torch.randn(B, K + 1, V, generator=g).log_softmax(-1)
     drafts = torch.randint(0, V, (B, K), generator=g)
     greedy = torch.tensor([True, False, True, False])
-    accepted, emitted = verify(logprobs, drafts, None, greedy, _keys(B), _positions(B, K, 5))
+    accepted, emitted, _ = verify(logprobs, drafts, None, greedy, _keys(B), _positions(B, K, 5))
     assert accepted.shape == (B,) and emitted.shape == (B, K + 1)
     assert accepted.dtype == emitted.dtype == torch.int64
     for b in range(B):
@@ -61,7 +61,7 @@ def test_greedy_accepts_exactly_the_argmax_prefix():
     greedy = torch.ones(B, dtype=torch.bool)
     draft_probs = torch.rand(B, K, V).softmax(-1)  # ignored for greedy rows
     for probs in (None, draft_probs):
-        accepted, emitted = verify(logits, drafts, probs, greedy, _keys(B), _positions(B, K), force_kernel=False)
+        accepted, emitted, _ = verify(logits, drafts, probs, greedy, _keys(B), _positions(B, K), force_kernel=False)
         assert accepted.tolist() == [0, 1, 2, 3, 4, 4]
         for b in range(B):
             n = int(accepted[b])
@@ -73,13 +73,13 @@ def test_k0_is_plain_sampling():
     logprobs = torch.randn(B, 1, V, generator=torch.Generator().manual_seed(2)).log_softmax(-1)
     greedy = torch.tensor([False] * 6 + [True] * 2)
     key, pos = _keys(B), torch.full((B, 1), 12)
-    accepted, emitted = verify(logprobs, torch.empty(B, 0, dtype=torch.int64), None, greedy, key, pos)
+    accepted, emitted, _ = verify(logprobs, torch.empty(B, 0, dtype=torch.int64), None, greedy, key, pos)
     assert accepted.tolist() == [0] * B
     g = kn.gumbel(key, pos, torch.arange(V), kn.TARGET)
     expect = torch.where(greedy[:, None, None], logprobs, logprobs + g).argmax(-1)
     assert torch.equal(emitted, expect)
     # the same sample whatever else is in the batch
-    acc1, em1 = verify(logprobs[3:4], torch.empty(1, 0, dtype=torch.int64), None, greedy[3:4], key[3:4], pos[3:4])
+    acc1, em1, _ = verify(logprobs[3:4], torch.empty(1, 0, dtype=torch.int64), None, greedy[3:4], key[3:4], pos[3:4])
     assert em1[0, 0] == emitted[3, 0]
 
 
@@ -97,7 +97,7 @@ def test_one_hot_emits_exactly_the_plain_samples(temperature):
     drafts = plain[:, :K].clone()
     corrupt = torch.rand(B, K, generator=g) < 0.25
     drafts = torch.where(corrupt, (drafts + 1 + torch.randint(0, V - 1, (B, K), generator=g)) % V, drafts)
-    accepted, emitted = verify(logprobs, drafts, None, params.greedy, key, positions)
+    accepted, emitted, _ = verify(logprobs, drafts, None, params.greedy, key, positions)
     first_corrupt = torch.where(corrupt.any(1), corrupt.float().argmax(1), K)
     assert torch.equal(accepted, first_corrupt)
     assert len(set(accepted.tolist())) == K + 1  # every acceptance length occurs
@@ -113,7 +113,7 @@ def test_stochastic_rules_edge_cases():
     greedy = torch.zeros(B, dtype=torch.bool)
     drafts = torch.randint(0, V, (B, K), generator=g)
     # q == p: every draft is accepted (u < 1) and the bonus is the plain sample of row K
-    accepted, emitted = verify(logprobs, drafts, logprobs[:, :K].exp(), greedy, key, positions)
+    accepted, emitted, _ = verify(logprobs, drafts, logprobs[:, :K].exp(), greedy, key, positions)
     assert accepted.tolist() == [K] * B
     assert torch.equal(emitted[:, :K], drafts)
     assert torch.equal(emitted[:, K], _plain(logprobs, greedy, key, positions)[:, K])
@@ -123,11 +123,11 @@ def test_stochastic_rules_edge_cases():
     masked[:, :, 0] = float("-inf")
     q = torch.full((B, K, V), 1.0 / V)
     zero_drafts = torch.zeros(B, K, dtype=torch.int64)
-    accepted, emitted = verify(masked, zero_drafts, q, greedy, key, positions)
+    accepted, emitted, _ = verify(masked, zero_drafts, q, greedy, key, positions)
     assert accepted.tolist() == [0] * B and (emitted[:, 0] != 0).all() and (emitted[:, 1:] == -1).all()
     # residual all zero (q >= p everywhere, draft outside p's support): fall back to the plain sample
     big_q = masked[:, :K].exp() * 1.5
-    accepted, emitted = verify(masked, zero_drafts, big_q, greedy, key, positions)
+    accepted, emitted, _ = verify(masked, zero_drafts, big_q, greedy, key, positions)
     assert accepted.tolist() == [0] * B
     assert torch.equal(emitted[:, 0], _plain(masked, greedy, key, positions)[:, 0])
 
@@ -195,7 +195,7 @@ def test_rejection_sampling_is_lossless(top_k, top_p):
         assert ((p > 0).sum(-1) < V).all()  # the filters really cut the support
     alpha = torch.minimum(p[:K], q).sum(-1)  # acceptance rate per row
     assert (alpha < 0.8).all(), "the draft should be poor"
-    accepted, emitted = verify(logprobs, drafts, draft_probs, greedy, key, positions)
+    accepted, emitted, _ = verify(logprobs, drafts, draft_probs, greedy, key, positions)
     # row 0 always emits; row i emits iff the first i drafts were accepted, and since p_i and q_i do
     # not depend on earlier tokens, the emitted token given that event is distributed exactly p_i
     for i in range(K + 1):
@@ -233,7 +233,7 @@ def _chisquare_p_lenient(tokens: torch.Tensor, p: torch.Tensor) -> float:
 def test_one_hot_with_sampled_drafts_is_lossless_too():
     # draft_probs=None with stochastic drafts: sample-and-match, output exactly p (ALGORITHMS 4.4)
     logprobs, drafts, _, greedy, key, positions, p, q = _experiment(0, 1.0)
-    accepted, emitted = verify(logprobs, drafts, None, greedy, key, positions)
+    accepted, emitted, _ = verify(logprobs, drafts, None, greedy, key, positions)
     for i in range(2):  # deeper rows are reached too rarely at this acceptance rate for a chi-square
         reached = accepted >= i
         assert _chisquare_p(emitted[reached, i], p[i]) > 1e-3

@@ -12,6 +12,8 @@ step comes from one more run of an eager twin of each configuration with a `Phas
 (pipelines/phases.py): compiled steps cannot be split without breaking their graph.
 Every output token is counted the same way for all configurations: greedy decoding to EOS or
 `max_tokens`, so all of them produce the same tokens (the lossless guarantee) and tokens/s compare.
+The one exception is a recipe with `sampling.relaxed_acceptance`: it is lossy inside reasoning spans,
+and its label says so ("eagle3 K=3 relaxed (lossy)").
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def _label(recipe: Recipe) -> str:
     if not d.enabled:
         return "ar"
     k = f" K={d.num_speculative_tokens}" if d.num_speculative_tokens else ""
-    return f"{d.method}{k}"
+    lossy = " relaxed (lossy)" if recipe.sampling.relaxed_acceptance is not None else ""
+    return f"{d.method}{k}{lossy}"
 
 
 def _peak_rss() -> int:
@@ -126,7 +129,7 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
     for record in records:
         if record.error is not None:
             continue
-        ids = tokenize_prompt(record, tokenizer, use_template)
+        ids = tokenize_prompt(record, tokenizer, use_template, base.chat_template_kwargs)
         if len(ids) > room:
             skipped += 1
             continue

@@ -8,18 +8,23 @@ Contract (DESIGN.md section 4; ALGORITHMS.md sections 4.1-4.4). Inputs for B req
   greedy        [B]         bool
   noise_key     [B]         i64  per-request key in [0, 2**32) (keyed_noise.noise_key_for)
   positions     [B, K+1]    i64
-Outputs: accepted [B] i64 in 0..K and emitted [B, K+1] i64 (accepted drafts, then one correction or
-bonus token, then -1).
+  relaxed       [B, K]      bool drafts to accept even where the rule below rejects them, or None
+                                 (relaxed acceptance, lossy: specgen.pipelines.relaxed)
+Outputs: accepted [B] i64 in 0..K, emitted [B, K+1] i64 (accepted drafts, then one correction or
+bonus token, then -1) and relaxed_accepted [B] i64 (accepted drafts that only `relaxed` accepted).
 
 Target sample of row i: y_i = argmax_v(logprobs[b, i, v] + g(key, positions[b, i], v, TARGET)), or the
 plain argmax for greedy rows. Ties go to the lowest index in both implementations.
 - One-hot rule (draft_probs None, and always for greedy rows): accept x_i iff x_i == y_i; emit y at
   the first mismatch, or the bonus y_K. Every emitted token is then the token plain decoding (K = 0)
-  samples at that position, so seeded speculative output equals seeded plain output.
+  samples at that position, so seeded speculative output equals seeded plain output (without
+  `relaxed`, which accepts tokens the target would not have sampled).
 - Rejection rule (draft_probs given, sampled rows): with p = exp(logprobs), q = draft_probs, accept
   x_i iff u(key, pos_i, 0, ACCEPT) * q_i(x_i) < p_i(x_i), i.e. with probability min(1, p/q). At the
   first rejection emit argmax_v(log max(p_i - q_i, 0) + g(key, pos_i, v, RESIDUAL)); if that residual
   is zero everywhere, emit y_i. If all K are accepted, emit the bonus y_K.
+- Relaxed rows: where relaxed[b, i] holds, x_i is accepted whatever the rule above says. The first
+  row that neither accepts is corrected as above.
 K = 0 is plain sampling through the same code.
 
 Nothing here synchronises with the host, so both paths can sit inside a compiled / graphed step;
@@ -56,12 +61,25 @@ def sample_rows(
     return scores.argmax(dim=-1)  # first maximum on ties, like the kernel
 
 
-def verify_greedy(logprobs: torch.Tensor, draft_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def verify_greedy(logprobs: torch.Tensor, draft_tokens: torch.Tensor, relaxed: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The reference for batches whose rows are all greedy: no noise is computed at all."""
-    # logprobs: [B, K+1, V]; draft_tokens: [B, K]
+    # logprobs: [B, K+1, V]; draft_tokens: [B, K]; relaxed: [B, K] | None
     y = logprobs.argmax(dim=-1)
-    accepted = (draft_tokens == y[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-    return accepted, _emitted(accepted, draft_tokens, y.gather(1, accepted[:, None]).squeeze(1))
+    accepted, relaxed_accepted = _accepted_prefix(draft_tokens == y[:, :-1], relaxed)
+    final = y.gather(1, accepted[:, None]).squeeze(1)
+    return accepted, _emitted(accepted, draft_tokens, final), relaxed_accepted
+
+
+def _accepted_prefix(strict: torch.Tensor, relaxed: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """strict, relaxed [B, K] bool -> the accepted prefix length [B] and how many of its drafts only
+    the relaxed rule accepted [B]."""
+    accept = strict if relaxed is None else strict | relaxed
+    accepted = accept.long().cumprod(dim=1).sum(dim=1)
+    if relaxed is None:
+        return accepted, torch.zeros_like(accepted)
+    in_prefix = torch.arange(strict.shape[1], device=strict.device) < accepted[:, None]
+    return accepted, (relaxed & ~strict & in_prefix).sum(dim=1)
 
 
 def _emitted(accepted: torch.Tensor, draft_tokens: torch.Tensor, final: torch.Tensor) -> torch.Tensor:
@@ -80,10 +98,11 @@ def verify_reference(
     greedy: torch.Tensor,
     noise_key: torch.Tensor,
     positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    relaxed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Vectorised PyTorch implementation of the contract above (no loop over B or K)."""
     # logprobs: [B, K+1, V]; draft_tokens: [B, K]; draft_probs: [B, K, V] | None
-    # greedy: [B]; noise_key: [B]; positions: [B, K+1]
+    # greedy: [B]; noise_key: [B]; positions: [B, K+1]; relaxed: [B, K] | None
     B, K1, V = logprobs.shape
     K = K1 - 1
     device = logprobs.device
@@ -98,7 +117,7 @@ def verify_reference(
         u = kn.uniform(noise_key, positions[:, :K], torch.zeros(1, dtype=torch.long, device=device), ACCEPT)
         # u * q < p accepts with probability min(1, p / q) without dividing
         accept = torch.where(greedy[:, None], match, u[..., 0] * q_x < p_x)
-    accepted = accept.long().cumprod(dim=1).sum(dim=1)  # length of the accepted prefix: [B]
+    accepted, relaxed_accepted = _accepted_prefix(accept, relaxed)  # [B], [B]
     final = y.gather(1, accepted[:, None]).squeeze(1)  # correction (one-hot) or bonus: [B]
     if draft_probs is not None and K > 0:
         # residual sample at the first rejected row (clamped: rows that accepted all K ignore it)
@@ -112,7 +131,7 @@ def verify_reference(
         # an all-zero residual (p == q) falls back to the target sample y
         use_residual = ~greedy & (accepted < K) & (residual > 0).any(dim=-1).squeeze(1)
         final = torch.where(use_residual, z, final)
-    return accepted, _emitted(accepted, draft_tokens, final)
+    return accepted, _emitted(accepted, draft_tokens, final), relaxed_accepted
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -170,14 +189,17 @@ def _verify_kernel(
     greedy_ptr,  # [B] bool
     noise_key_ptr,  # [B] i64
     positions_ptr,  # [B, K+1] i64
+    relaxed_ptr,  # [B, K] bool (any pointer when not HAS_RELAXED)
     accepted_ptr,  # [B] i64 (out)
     emitted_ptr,  # [B, K+1] i64 (out)
+    relaxed_accepted_ptr,  # [B] i64 (out)
     K,
     V,
     SALT_TARGET: tl.constexpr,
     SALT_ACCEPT: tl.constexpr,
     SALT_RESIDUAL: tl.constexpr,
     HAS_DRAFT_PROBS: tl.constexpr,
+    HAS_RELAXED: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_K: tl.constexpr,  # power of two >= K + 1, for the -1 padding store
 ):
@@ -188,6 +210,7 @@ def _verify_kernel(
     row0 = b * (K + 1)
     # loop-carried values must be tensors from the start, hence these spellings of 0 and True
     n_accepted = b * 0
+    n_relaxed = b * 0
     going = b >= 0
     for i in range(0, K + 1):
         if going:
@@ -195,6 +218,10 @@ def _verify_kernel(
             pos = tl.load(positions_ptr + row0 + i).to(tl.uint32)
             has_draft = i < K
             x = tl.load(draft_tokens_ptr + b * K + i, mask=has_draft, other=-1)
+            if HAS_RELAXED:
+                relax = tl.load(relaxed_ptr + b * K + i, mask=has_draft, other=0) != 0
+            else:
+                relax = has_draft & False
             stochastic = has_draft & sampled & HAS_DRAFT_PROBS
             if stochastic:
                 dp_row = draft_probs_ptr + (b * K + i) * V
@@ -203,17 +230,22 @@ def _verify_kernel(
                 u = kn._uniform_dev(kn._row_hash_dev(key, pos, SALT_ACCEPT), 0)
                 ok = u * q_x < p_x
                 tok = x
-                if not ok:
+                if (ok == 0) & (relax == 0):   # a relaxed acceptance needs no residual sample
                     tok, found = _residual_row_dev(lp_row, dp_row, key, pos, SALT_RESIDUAL, V, BLOCK_V)
                     if not found:
                         tok = _argmax_row_dev(lp_row, key, pos, True, SALT_TARGET, V, BLOCK_V)
             else:
                 tok = _argmax_row_dev(lp_row, key, pos, sampled, SALT_TARGET, V, BLOCK_V)
                 ok = has_draft & (x == tok)
+            only_relaxed = relax & (ok == 0)
+            tok = tl.where(only_relaxed, x, tok)
+            ok = ok | only_relaxed
             tl.store(emitted_ptr + row0 + i, tok)
             n_accepted += ok.to(tl.int64)
+            n_relaxed += only_relaxed.to(tl.int64)
             going = ok
     tl.store(accepted_ptr + b, n_accepted)
+    tl.store(relaxed_accepted_ptr + b, n_relaxed)
     offs = tl.arange(0, BLOCK_K)
     tl.store(emitted_ptr + row0 + offs, tl.full([BLOCK_K], -1, tl.int64), mask=(offs > n_accepted) & (offs <= K))
 
@@ -246,12 +278,13 @@ def verify_triton(
     greedy: torch.Tensor,
     noise_key: torch.Tensor,
     positions: torch.Tensor,
+    relaxed: torch.Tensor | None = None,
     block_v: int = 1024,
     num_warps: int = 4,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Guarded launch of `_verify_kernel`: same contract and results as `verify_reference`."""
     # logprobs: [B, K+1, V]; draft_tokens: [B, K]; draft_probs: [B, K, V] | None
-    # greedy: [B]; noise_key: [B]; positions: [B, K+1]
+    # greedy: [B]; noise_key: [B]; positions: [B, K+1]; relaxed: [B, K] | None
     if not _jitted:
         jit_kernels()
     assert logprobs.dim() == 3, "logprobs must be [B, K+1, V]"
@@ -267,14 +300,18 @@ def verify_triton(
     if draft_probs is not None:
         assert draft_probs.dtype == torch.float32 and draft_probs.shape == (B, K, V), "draft_probs: [B, K, V] f32"
         tensors.append(draft_probs)
+    if relaxed is not None:
+        assert relaxed.dtype == torch.bool and relaxed.shape == (B, K), "relaxed: [B, K] bool"
+        tensors.append(relaxed)
     assert all(t.is_contiguous() for t in tensors), "verify_triton needs contiguous inputs"
     assert all(t.device == logprobs.device for t in tensors), "verify_triton inputs must share a device"
     assert block_v > 0 and block_v & (block_v - 1) == 0, "block_v must be a power of two"
 
     accepted = torch.empty(B, dtype=torch.int64, device=logprobs.device)
     emitted = torch.empty(B, K1, dtype=torch.int64, device=logprobs.device)
+    relaxed_accepted = torch.empty(B, dtype=torch.int64, device=logprobs.device)
     if B == 0:
-        return accepted, emitted
+        return accepted, emitted, relaxed_accepted
     _verify_kernel[(B,)](
         logprobs,
         draft_tokens,
@@ -282,19 +319,22 @@ def verify_triton(
         greedy,
         noise_key,
         positions,
+        relaxed if relaxed is not None else greedy,
         accepted,
         emitted,
+        relaxed_accepted,
         K,
         V,
         SALT_TARGET=STREAM_SALT[TARGET],
         SALT_ACCEPT=STREAM_SALT[ACCEPT],
         SALT_RESIDUAL=STREAM_SALT[RESIDUAL],
         HAS_DRAFT_PROBS=draft_probs is not None,
+        HAS_RELAXED=relaxed is not None,
         BLOCK_V=block_v,
         BLOCK_K=triton.next_power_of_2(K1),
         num_warps=num_warps,
     )
-    return accepted, emitted
+    return accepted, emitted, relaxed_accepted
 
 
 @torch.library.custom_op("specgen::verify", mutates_args=())
@@ -305,14 +345,16 @@ def verify_op(
     greedy: torch.Tensor,
     noise_key: torch.Tensor,
     positions: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    relaxed: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`verify_triton` as an opaque custom op: torch.compile calls it as one extern node and CUDA
     graphs capture its launch. (Traced as Python, Inductor would re-emit the kernel's source and
     lose the module-qualified device functions it calls: GPU_NOTES 1.)"""
-    return verify_triton(logprobs, draft_tokens, draft_probs, greedy, noise_key, positions)
+    return verify_triton(logprobs, draft_tokens, draft_probs, greedy, noise_key, positions, relaxed)
 
 
 @verify_op.register_fake
-def _(logprobs, draft_tokens, draft_probs, greedy, noise_key, positions):
+def _(logprobs, draft_tokens, draft_probs, greedy, noise_key, positions, relaxed):
     B, K1, _ = logprobs.shape
-    return logprobs.new_empty(B, dtype=torch.int64), logprobs.new_empty(B, K1, dtype=torch.int64)
+    return (logprobs.new_empty(B, dtype=torch.int64), logprobs.new_empty(B, K1, dtype=torch.int64),
+            logprobs.new_empty(B, dtype=torch.int64))

@@ -150,7 +150,7 @@ class StepFunctions:
     def prefill(self, batch: PrefillBatch) -> None:
         if self.prefill_compiled:
             for t in (batch.rows, batch.tokens, batch.positions, batch.next_tokens, batch.last_index,
-                      batch.is_last, batch.noise_key, batch.limit):
+                      batch.is_last, batch.noise_key, batch.limit, batch.reasoning):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             for t in (batch.tokens, batch.positions, batch.next_tokens):
                 torch._dynamo.maybe_mark_dynamic(t, 1)

@@ -29,6 +29,7 @@ class PrefillItem:
     prompt: list[int]
     noise_key: int
     limit: int          # the slot stops once its committed length reaches this (state.limit)
+    reasoning: bool = False   # the prompt leaves the output inside a reasoning span (state.reasoning)
 
 
 @dataclass(slots=True)
@@ -80,7 +81,7 @@ def pack(call: PrefillCall, alloc_len: int, key_index: torch.Tensor, device: tor
     n, width, start = len(call.items), call.width, call.start
     tokens = torch.zeros(n, width, dtype=torch.long)
     following = torch.zeros(n, width, dtype=torch.long)
-    per_row = torch.zeros(5, n, dtype=torch.long)       # slot, last_index, is_last, noise_key, limit
+    per_row = torch.zeros(6, n, dtype=torch.long)  # slot, last_index, is_last, noise_key, limit, reasoning
     for r, item in enumerate(call.items):
         real = min(len(item.prompt) - start, call.chunk)
         piece = item.prompt[start: start + real]
@@ -88,16 +89,17 @@ def pack(call: PrefillCall, alloc_len: int, key_index: torch.Tensor, device: tor
         tokens[r, :real] = torch.tensor(piece)
         following[r, : len(after)] = torch.tensor(after)
         ends_here = start + real >= len(item.prompt)
-        per_row[:, r] = torch.tensor([item.slot, real - 1, int(ends_here), item.noise_key, item.limit])
+        per_row[:, r] = torch.tensor([item.slot, real - 1, int(ends_here), item.noise_key, item.limit,
+                                      int(item.reasoning)])
     host = torch.cat((tokens.view(-1), following.view(-1), per_row.view(-1)))
     if device.type == "cuda":
         host = host.pin_memory()
     flat = host.to(device, non_blocking=True)
-    tokens, following, per_row = flat.split([n * width, n * width, 5 * n])
-    per_row = per_row.view(5, n)
+    tokens, following, per_row = flat.split([n * width, n * width, 6 * n])
+    per_row = per_row.view(6, n)
     # positions past the allocation (padding of a prompt that nearly fills it) write its last entry
     positions = (start + torch.arange(width, device=device)).clamp(max=alloc_len - 1).expand(n, width)
     return PrefillBatch(rows=per_row[0], tokens=tokens.view(n, width), positions=positions.contiguous(),
                         next_tokens=following.view(n, width), last_index=per_row[1],
                         is_last=per_row[2].bool(), noise_key=per_row[3], limit=per_row[4],
-                        key_index=key_index)
+                        reasoning=per_row[5].bool(), key_index=key_index)

@@ -4,12 +4,15 @@ Contract: `Runner.run(requests, on_finish, on_progress)` pushes every request th
 calls `on_finish(Completion)` exactly once per request, in finishing order, errors included (a request
 that fails never stops the others). It owns:
 - admission: free slots are refilled together, in one batched prefill (pipelines/prefill.py);
-- the host side of each step: ONE device->host read per step of a `[B, K+3]` tensor (accepted, the
-  last committed token, emitted). On CUDA the loop issues step n+1 BEFORE it reads step n (through
-  a pinned buffer and an event), so the host's Python work overlaps the device; a slot that finished
-  at step n therefore runs once more, harmlessly (its results are ignored, and the device stops a
-  slot at its length limit by itself). On CPU nothing runs asynchronously, so there is no lag;
-- stop / EOS / max_tokens handling and per-request acceptance counters.
+- the host side of each step: ONE device->host read per step of a `[B, K+4]` tensor (accepted,
+  accepted only by relaxed acceptance, the last committed token, emitted). On CUDA the loop issues
+  step n+1 BEFORE it reads step n (through a pinned buffer and an event), so the host's Python work
+  overlaps the device; a slot that finished at step n therefore runs once more, harmlessly (its
+  results are ignored, and the device stops a slot at its length limit by itself). On CPU nothing
+  runs asynchronously, so there is no lag;
+- stop / EOS / max_tokens handling and per-request acceptance counters;
+- reasoning (given `ReasoningMarkers`): each slot starts in the state its prompt leaves it in, and
+  a completion's reasoning is split from its text (pipelines/reasoning.py).
 It knows nothing of files, recipes or terminals: progress goes to a callback.
 """
 
@@ -25,8 +28,9 @@ import torch
 from specgen.kernels.keyed_noise import noise_key_for
 from specgen.pipelines.compiled import StepFunctions
 from specgen.pipelines.prefill import PrefillItem, pack, plan_prefill
+from specgen.pipelines.reasoning import ReasoningMarkers, split, start_state
 from specgen.pipelines.stats import SpecCounters
-from specgen.pipelines.stops import OutputTracker, StopRules
+from specgen.pipelines.stops import OutputTracker, StopRules, cut_at_stop
 from specgen.pipelines.unified import UnifiedStep
 from specgen.sampling import SamplingTensors
 
@@ -44,6 +48,7 @@ class Request:
     max_tokens: int
     request_key: int                 # position-keyed noise depends on (seed, request_key, position)
     error: str | None = None         # a request that failed before generation (bad line, tokenizer)
+    generation_start: int = 0        # where the chat template's generation prompt starts in prompt_ids
 
 
 @dataclass(slots=True)
@@ -55,6 +60,8 @@ class Completion:
     num_prompt_tokens: int
     spec: SpecCounters | None
     error: str | None = None
+    reasoning_text: str | None = None    # the reasoning, split from `text` (None: there was none)
+    num_reasoning_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -75,6 +82,7 @@ class _Slot:
     tracker: OutputTracker
     counters: SpecCounters
     first_step: int                  # the first step whose results belong to this request
+    reasoning_start: bool | None = None   # the state the prompt leaves the output in
 
 
 @dataclass(slots=True)
@@ -130,8 +138,12 @@ class Runner:
     def __init__(self, step: UnifiedStep, *, batch_size: int, max_seq_len: int, rules: StopRules,
                  sampling: SamplingTensors, seed: int, device: torch.device, dtype: torch.dtype,
                  compile: bool = False, overlap: bool | None = None, prefill_chunk: int | None = None,
-                 prefill_budget: int | None = None) -> None:
+                 prefill_budget: int | None = None, reasoning: ReasoningMarkers | None = None) -> None:
         self.unified = step
+        # the step's relaxed acceptance and the slots' start states must read the same markers
+        relaxed = step.relaxed.markers if step.relaxed is not None else None
+        assert reasoning is None or relaxed is None or reasoning == relaxed, "two sets of reasoning markers"
+        self.reasoning = reasoning if reasoning is not None else relaxed
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
         self.rules = rules
@@ -148,7 +160,7 @@ class Runner:
         self.functions = StepFunctions(step, self.state, self.caches, sampling, device=device,
                                        compile=compile)
         self._compiled = self.functions.compiled
-        self.reader = _HostReader(device, (batch_size, step.k + 3), self.lag + 1)
+        self.reader = _HostReader(device, (batch_size, step.k + 4), self.lag + 1)
         self.warmed = False
         self.step_no = 0
         self.width = batch_size       # slots the step runs over (fewer in a run's tail, see _narrow)
@@ -291,12 +303,12 @@ class Runner:
         for b, slot in enumerate(slots):
             if slot is None or slot.first_step > number:
                 continue                  # a free slot, or one refilled after this step was issued
-            accepted, last, emitted = rows[b][0], rows[b][1], rows[b][2:]
+            accepted, relaxed, last, emitted = rows[b][0], rows[b][1], rows[b][2], rows[b][3:]
             # a request's first step also brings its first token, sampled by the prefill
             if number == slot.first_step and slot.tracker.add(last):
                 self._release(b, slots, finish)
                 continue
-            slot.counters.record(accepted)
+            slot.counters.record(accepted, relaxed)
             lengths[b] += accepted + 1
             for token in emitted[: accepted + 1]:
                 if slot.tracker.add(token):
@@ -329,21 +341,25 @@ class Runner:
             admitted.append((free[len(admitted)], request))
         if not admitted:
             return more
-        failed = self._prefill(admitted)
+        starts = {b: start_state(r.prompt_ids[r.generation_start:], self.reasoning)
+                  if self.reasoning is not None else None for b, r in admitted}
+        failed = self._prefill(admitted, starts)
         for b, request in admitted:
             if b in failed:
                 finish(Completion(request.id, [], "", "error", len(request.prompt_ids), None, failed[b]))
                 continue
             slots[b] = _Slot(request, OutputTracker(self.rules, self._max_tokens(request)),
-                             SpecCounters(self.unified.k), first_step=self.step_no)
+                             SpecCounters(self.unified.k), first_step=self.step_no, reasoning_start=starts[b])
             lengths[b] = len(request.prompt_ids)
             totals.prompt_tokens += len(request.prompt_ids)
         return more
 
-    def _prefill(self, admitted: list[tuple[int, Request]]) -> dict[int, str]:
+    def _prefill(self, admitted: list[tuple[int, Request]], starts: dict[int, bool | None]) -> dict[int, str]:
         """Run the batched prefill; on a failure, retry each request alone so that only the bad one
         fails. Returns {slot: error} for the requests that could not be prefilled."""
-        items = {b: PrefillItem(b, r.prompt_ids, self.noise_key(r), len(r.prompt_ids) + self._max_tokens(r) - 1)
+        # an unknown start state (no marker in the prompt) is verified as content: strictly
+        items = {b: PrefillItem(b, r.prompt_ids, self.noise_key(r), len(r.prompt_ids) + self._max_tokens(r) - 1,
+                                reasoning=starts[b] is True)
                  for b, r in admitted}
         try:
             self._prefill_items(list(items.values()))
@@ -384,5 +400,23 @@ class Runner:
 
     def _completion(self, slot: _Slot) -> Completion:
         t = slot.tracker
-        return Completion(slot.request.id, list(t.token_ids), t.final_text(), t.finish_reason,
-                          len(slot.request.prompt_ids), slot.counters)
+        completion = Completion(slot.request.id, list(t.token_ids), "", t.finish_reason,
+                                len(slot.request.prompt_ids), slot.counters)
+        parts = split(t.token_ids, self.reasoning, slot.reasoning_start) if self.reasoning is not None else None
+        if parts is None or (not parts.reasoning and len(parts.content) == len(t.token_ids)):
+            completion.text = t.final_text()     # no reasoning and no marker: the text as decoded
+            return completion
+        decode = self.rules.decode
+        reasoning, text = decode(parts.reasoning), decode(parts.content)
+        if t.text is not None:
+            # A stop string ended the request: it ends in the part that took the last token, so that
+            # part is cut (searched near its end only: it was completed by the last token).
+            tail = len(decode(t.token_ids[-2:])) + max(map(len, self.rules.stop_strings))
+            if parts.ends_in_reasoning:
+                reasoning = cut_at_stop(reasoning, self.rules.stop_strings, len(reasoning) - tail)
+            else:
+                text = cut_at_stop(text, self.rules.stop_strings, len(text) - tail)
+        completion.text = text
+        completion.reasoning_text = reasoning if parts.reasoning else None
+        completion.num_reasoning_tokens = len(parts.reasoning)
+        return completion

@@ -5,7 +5,9 @@
 - `mean_acceptance_length` = 1 + accepted / drafts: tokens gained per target forward, bonus included;
 - `draft_acceptance_rate` = accepted / draft tokens;
 - `accepted_per_position[i]` = drafts whose token i was accepted (rate = that / num_drafts);
-- `acceptance_histogram[a]` = drafts that accepted exactly a tokens, a = 0..K.
+- `acceptance_histogram[a]` = drafts that accepted exactly a tokens, a = 0..K;
+- `num_relaxed_accepted_tokens` = accepted tokens that only relaxed acceptance accepted (lossy,
+  opt-in: pipelines/relaxed.py); they are part of `num_accepted_tokens` and of every figure above.
 Counts include tokens later cut by a stop string or max_tokens, as vLLM's do.
 """
 
@@ -20,6 +22,7 @@ class SpecCounters:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_relaxed_accepted_tokens: int = 0
     acceptance_histogram: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
@@ -28,13 +31,15 @@ class SpecCounters:
         self.acceptance_histogram = self.acceptance_histogram or [0] * (k + 1)
         self.accepted_per_position = self.accepted_per_position or [0] * k
 
-    def record(self, accepted: int) -> None:
-        """One verified block that accepted `accepted` of its K drafts."""
+    def record(self, accepted: int, relaxed: int = 0) -> None:
+        """One verified block that accepted `accepted` of its K drafts, `relaxed` of them only through
+        relaxed acceptance."""
         if self.num_speculative_tokens == 0:
             return
         self.num_drafts += 1
         self.num_draft_tokens += self.num_speculative_tokens
         self.num_accepted_tokens += accepted
+        self.num_relaxed_accepted_tokens += relaxed
         self.acceptance_histogram[accepted] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
@@ -43,6 +48,7 @@ class SpecCounters:
         self.num_drafts += other.num_drafts
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_relaxed_accepted_tokens += other.num_relaxed_accepted_tokens
         for i, n in enumerate(other.acceptance_histogram):
             self.acceptance_histogram[i] += n
         for i, n in enumerate(other.accepted_per_position):
@@ -67,6 +73,7 @@ class SpecCounters:
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
+            "num_relaxed_accepted_tokens": self.num_relaxed_accepted_tokens,
             "mean_acceptance_length": self.mean_acceptance_length,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "acceptance_histogram": list(self.acceptance_histogram),

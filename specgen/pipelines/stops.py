@@ -89,6 +89,12 @@ class OutputTracker:
         return self.text if self.text is not None else self.rules.decode(self.token_ids)
 
 
+def cut_at_stop(text: str, stop_strings: tuple[str, ...], start: int = 0) -> str:
+    """`text` up to its first stop string found from `start` on (whole when there is none)."""
+    hits = [i for i in (text.find(s, max(0, start)) for s in stop_strings) if i >= 0]
+    return text[: min(hits)] if hits else text
+
+
 def eos_ids_from(tokenizer, generation_config: dict | None, config: dict) -> frozenset[int]:
     """EOS ids from the tokenizer, the generation config and the model config, merged."""
     ids: set[int] = set()

@@ -6,12 +6,17 @@ Contract (DESIGN.md section 3). Device state lives in one `StepState` (all stati
 - `cache_lens [B]`: tokens whose K/V are in the caches; pending token i sits at `cache_lens + i`;
 - `active [B]`: slots that advance; a slot stops by itself once `cache_lens >= limit` (its
   max_tokens), so a step issued before the host has seen a finish can never run past the allocation;
-- `limit [B]`, `noise_key [B]`, and `draft_probs [B, K, V] | None` (stochastic drafts only).
+- `limit [B]`, `noise_key [B]`, and `draft_probs [B, K, V] | None` (stochastic drafts only);
+- `reasoning [B]`: whether the slot is inside a reasoning span before `pending[:, 0]`. Prefill sets
+  it from the prompt; the step reads and updates it only with relaxed acceptance, which applies
+  inside spans alone (pipelines/relaxed.py).
 
 `step(state, caches, sampling, key_index)` advances every active slot by one verified block, updates
 `state` IN PLACE (fixed addresses: CUDA graphs replay them) and returns one int64 tensor
-`[B, K+3]` = (accepted, the last committed token the step started from, emitted[K+1]), the only thing
-the host reads. `emitted` holds the accepted drafts then the correction / bonus token, padded with -1.
+`[B, K+4]` = (accepted, relaxed_accepted, the last committed token the step started from,
+emitted[K+1]), the only thing the host reads. `emitted` holds the accepted drafts then the
+correction / bonus token, padded with -1; `relaxed_accepted` counts the accepted drafts that only
+relaxed acceptance accepted (0 without it).
 Inactive slots run along (static shapes), compute at positions 0..K of their own rows (scratch), and
 never advance. Plain decoding is the same step with K = 0 and no draft.
 
@@ -33,6 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from specgen.models.attention import AttentionBatch
+from specgen.pipelines.reasoning import states_after
+from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.verify import verify
 from specgen.sampling import SamplingTensors, process_logits, sample_draft
 
@@ -44,17 +51,19 @@ class StepState:
     active: torch.Tensor              # [B] bool
     limit: torch.Tensor               # [B] int64: the slot stops once cache_lens >= limit
     noise_key: torch.Tensor           # [B] int64
+    reasoning: torch.Tensor           # [B] bool: inside a reasoning span before pending[:, 0]
     draft_probs: torch.Tensor | None  # [B, K, V] float32, stochastic drafts only
 
+    def _fields(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.pending, self.cache_lens, self.active, self.limit, self.noise_key, self.reasoning,
+                self.draft_probs)
+
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.pending, self.cache_lens, self.active, self.limit, self.noise_key,
-                            self.draft_probs) if t is not None]
+        return [t for t in self._fields() if t is not None]
 
     def narrow(self, slots: int) -> StepState:
         """The first `slots` slots, sharing storage."""
-        return StepState(*(t[:slots] if t is not None else None for t in
-                           (self.pending, self.cache_lens, self.active, self.limit, self.noise_key,
-                            self.draft_probs)))
+        return StepState(*(t[:slots] if t is not None else None for t in self._fields()))
 
 
 @dataclass(slots=True)
@@ -82,18 +91,21 @@ class PrefillBatch:
     is_last: torch.Tensor       # [n] bool: the prompt ends in this chunk
     noise_key: torch.Tensor     # [n] int64
     limit: torch.Tensor         # [n] int64
+    reasoning: torch.Tensor     # [n] bool: the prompt leaves the output inside a reasoning span
     key_index: torch.Tensor     # [kv_len] arange (reference attention's key bound)
 
 
 class UnifiedStep:
-    """Binds a target and an optional draft into the step and the batched prefill."""
+    """Binds a target and an optional draft into the step and the batched prefill. `relaxed`:
+    relaxed acceptance inside reasoning spans (lossy, opt-in; pipelines/relaxed.py)."""
 
     def __init__(self, target, draft=None, *, stochastic_drafts: bool = False, use_kernel: bool = False,
-                 num_sms: int = 1) -> None:
+                 num_sms: int = 1, relaxed: RelaxedAcceptance | None = None) -> None:
         self.target = target
         self.draft = draft
         self.k = draft.num_speculative_tokens if draft is not None else 0
         self.stochastic = stochastic_drafts and draft is not None
+        self.relaxed = relaxed if self.k > 0 else None
         self.capture = tuple(draft.aux_layer_ids) if draft is not None else ()
         self.use_kernel = use_kernel      # the Triton attention kernel (CUDA) or the SDPA reference
         self.num_sms = num_sms
@@ -105,9 +117,10 @@ class UnifiedStep:
         probs = (torch.zeros(slots, self.k, self.target.vocab_size, device=device)
                  if self.stochastic else None)
         zeros = torch.zeros(slots, dtype=torch.long, device=device)
+        flags = torch.zeros(slots, dtype=torch.bool, device=device)
         return StepState(pending=torch.zeros(slots, self.k + 1, dtype=torch.long, device=device),
-                         cache_lens=zeros.clone(), active=torch.zeros(slots, dtype=torch.bool, device=device),
-                         limit=zeros.clone(), noise_key=zeros.clone(), draft_probs=probs)
+                         cache_lens=zeros.clone(), active=flags.clone(), limit=zeros.clone(),
+                         noise_key=zeros.clone(), reasoning=flags.clone(), draft_probs=probs)
 
     def new_caches(self, slots: int, max_len: int, dtype: torch.dtype, device) -> StepCaches:
         draft = self.draft.new_cache(slots, max_len, dtype, device) if self.draft is not None else None
@@ -139,7 +152,7 @@ class UnifiedStep:
 
     def step(self, state: StepState, caches: StepCaches, sampling: SamplingTensors,
              key_index: torch.Tensor) -> torch.Tensor:
-        # state: B slots; key_index: [kv_len] -> [B, K+3] int64 (accepted, last, emitted[K+1])
+        # state: B slots; key_index: [kv_len] -> [B, K+4] int64 (accepted, relaxed, last, emitted[K+1])
         timer = self.timer
         if timer is not None:
             timer.begin()
@@ -153,10 +166,17 @@ class UnifiedStep:
         if timer is not None:
             timer.mark("target")
         logprobs = process_logits(logits, sampling)
-        # verify: the one lossless rule for every draft type
-        accepted, emitted = verify(logprobs, state.pending[:, 1:], state.draft_probs, sampling.greedy,
-                                   state.noise_key, positions + 1, all_greedy=sampling.all_greedy)
-        out = torch.cat((accepted.unsqueeze(1), state.pending[:, :1], emitted), 1)
+        relaxed = inside = None
+        if self.relaxed is not None:
+            # inside[:, i]: the row is in a reasoning span once pending[:, 0..i] are committed, i.e.
+            # where pending[:, i + 1] = drafts[:, i] (verified by logits row i) would go
+            inside = states_after(state.pending, state.reasoning, self.relaxed.markers)   # [B, K+1]
+            relaxed = self.relaxed.mask(logprobs, state.pending[:, 1:], inside[:, :k])
+        # verify: the one lossless rule for every draft type (relaxed acceptance aside)
+        accepted, emitted, relaxed_accepted = verify(
+            logprobs, state.pending[:, 1:], state.draft_probs, sampling.greedy, state.noise_key,
+            positions + 1, relaxed=relaxed, all_greedy=sampling.all_greedy)
+        out = torch.cat((accepted.unsqueeze(1), relaxed_accepted.unsqueeze(1), state.pending[:, :1], emitted), 1)
         # commit: rejected positions need no undo, their K/V lie past the new length
         new_lens = state.cache_lens + (accepted + 1) * active
         pending = emitted.gather(1, accepted.unsqueeze(1))                              # [B, 1]
@@ -170,6 +190,8 @@ class UnifiedStep:
             if probs is not None:
                 state.draft_probs.copy_(probs)
         state.pending.copy_(pending)
+        if inside is not None:
+            state.reasoning.copy_(inside.gather(1, accepted.unsqueeze(1)).squeeze(1))
         state.cache_lens.copy_(new_lens)
         state.active.copy_(active & (new_lens < state.limit))
         if timer is not None:
@@ -191,8 +213,8 @@ class UnifiedStep:
         row_sampling = sampling.select(rows)
         length = batch.positions[index, last] + 1                                       # [n]
         logprobs = process_logits(self.target.logits(hidden[index, last].unsqueeze(1)), row_sampling)
-        _, emitted = verify(logprobs, batch.tokens[:, :0], None, row_sampling.greedy, batch.noise_key,
-                            length.unsqueeze(1), all_greedy=sampling.all_greedy)
+        _, emitted, _ = verify(logprobs, batch.tokens[:, :0], None, row_sampling.greedy, batch.noise_key,
+                               length.unsqueeze(1), all_greedy=sampling.all_greedy)
         first = emitted[:, :1]                                                          # [n, 1]
         pending, probs = first, None
         if self.draft is not None:
@@ -208,6 +230,7 @@ class UnifiedStep:
         state.cache_lens[rows] = torch.where(done, length, state.cache_lens[rows])
         state.limit[rows] = batch.limit
         state.noise_key[rows] = batch.noise_key
+        state.reasoning[rows] = torch.where(done, batch.reasoning, state.reasoning[rows])
         state.active[rows] = done & (length < batch.limit)
         if probs is not None:
             state.draft_probs[rows] = torch.where(done[:, None, None], probs, state.draft_probs[rows])

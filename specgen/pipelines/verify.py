@@ -1,7 +1,8 @@
 """The one verification entry point, shared by every draft method (DESIGN.md section 4).
 
 Contract: `verify` takes the processed target log-probabilities of K+1 rows per request, the K draft
-tokens, optionally the draft distributions, and returns `accepted [B]` and `emitted [B, K+1]`. The rule
+tokens, optionally the draft distributions and a relaxed-acceptance mask, and returns `accepted [B]`,
+`emitted [B, K+1]` and `relaxed_accepted [B]` (drafts only the mask accepted; zeros without one). The rule
 (one-hot "sample and match" for greedy rows and argmax / unknown-q drafts, full rejection sampling when
 q is given) and the noise definition are documented in `specgen.kernels.rejection` and
 `specgen.kernels.keyed_noise`; this module only picks the implementation:
@@ -31,20 +32,22 @@ def verify(
     noise_key: torch.Tensor,
     positions: torch.Tensor,
     *,
+    relaxed: torch.Tensor | None = None,
     all_greedy: bool = False,
     force_kernel: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Accept a prefix of the drafts and emit the tokens of this step.
 
     logprobs [B, K+1, V] f32 (row i predicts the token at positions[b, i]); draft_tokens [B, K] int64;
     draft_probs [B, K, V] f32 or None (one-hot drafts); greedy [B] bool; noise_key [B] int64;
-    positions [B, K+1] int64. Returns accepted [B] int64 in 0..K and emitted [B, K+1] int64: the
-    accepted drafts, then the correction (first rejection) or bonus token, then -1.
-    `all_greedy` (a static host flag) skips the noise entirely: every row is argmax-matched.
+    positions [B, K+1] int64; relaxed [B, K] bool or None (drafts accepted whatever the rule says:
+    pipelines/relaxed.py). Returns accepted [B] int64 in 0..K, emitted [B, K+1] int64 (the accepted
+    drafts, then the correction (first rejection) or bonus token, then -1) and relaxed_accepted [B]
+    int64. `all_greedy` (a static host flag) skips the noise entirely: every row is argmax-matched.
     """
     # logprobs: [B, K+1, V]; draft_tokens: [B, K]; draft_probs: [B, K, V] | None; positions: [B, K+1]
     if all_greedy and not force_kernel:
-        return rejection.verify_greedy(logprobs, draft_tokens)
+        return rejection.verify_greedy(logprobs, draft_tokens, relaxed)
     if force_kernel is None:
         use_kernel = logprobs.is_cuda and keyed_noise.triton_available()
     else:
@@ -58,5 +61,6 @@ def verify(
             greedy.contiguous(),
             noise_key.contiguous(),
             positions.contiguous(),
+            relaxed.contiguous() if relaxed is not None else None,
         )
-    return rejection.verify_reference(logprobs, draft_tokens, draft_probs, greedy, noise_key, positions)
+    return rejection.verify_reference(logprobs, draft_tokens, draft_probs, greedy, noise_key, positions, relaxed)

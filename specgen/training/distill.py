@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specgen.checkpoints.store import cache_root, resolve_checkpoint
@@ -37,6 +37,7 @@ class DistillSpec:
     chat_template: bool = True
     dtype: str = "auto"
     device: str = "auto"
+    chat_template_kwargs: dict = field(default_factory=dict)   # e.g. {thinking: false}
 
 
 def target_fingerprint(folder: Path) -> str:
@@ -51,8 +52,11 @@ def target_fingerprint(folder: Path) -> str:
 
 def distill_folder(spec: DistillSpec) -> Path:
     folder = resolve_checkpoint(spec.target)
-    settings = json.dumps([target_fingerprint(folder), spec.split, spec.max_new_tokens,
-                           spec.max_prompt_chars, spec.chat_template, spec.dtype]).encode()
+    key = [target_fingerprint(folder), spec.split, spec.max_new_tokens, spec.max_prompt_chars,
+           spec.chat_template, spec.dtype]
+    if spec.chat_template_kwargs:      # only when set: caches made without them keep their key
+        key.append(spec.chat_template_kwargs)
+    settings = json.dumps(key, sort_keys=True).encode()
     return cache_root() / "distill" / hashlib.blake2b(settings, digest_size=8).hexdigest()
 
 
@@ -87,13 +91,14 @@ def distilled_responses(spec: DistillSpec, *, on_start: Callable | None = None,
         "runtime": {"device": spec.device, "batch_size": spec.batch_size,
                     "max_seq_len": spec.max_prompt_chars // 2 + spec.max_new_tokens + 64},
         "prompts": str(prompts), "output": str(results), "chat_template": spec.chat_template,
+        "chat_template_kwargs": spec.chat_template_kwargs,
     })
     run_job(recipe, on_start=on_start, on_progress=on_progress, on_status=on_status)
     return results
 
 
 def training_sequences(results: Path, prompts: Path, tokenizer, chat_template: bool,
-                       max_len: int) -> list[tuple[list[int], int]]:
+                       max_len: int, template_kwargs: dict | None = None) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) per answered prompt, in prompt order, cut to `max_len` tokens."""
     answers = {}
     with results.open() as f:
@@ -108,7 +113,7 @@ def training_sequences(results: Path, prompts: Path, tokenizer, chat_template: b
             if data["id"] not in answers:
                 continue
             ids = tokenize_prompt(PromptRecord(id=data["id"], line=0, messages=data["messages"]),
-                                  tokenizer, chat_template)
+                                  tokenizer, chat_template, template_kwargs)
             sequence = (ids + answers[data["id"]])[:max_len]
             if len(ids) < len(sequence) - 1:        # at least two answer tokens to learn from
                 out.append((sequence, len(ids)))

@@ -109,8 +109,10 @@ def _draft_k(method: str, spec) -> int:
 
 def _state_folder(recipe: Recipe, target_key: str) -> Path:
     train = {k: v for k, v in asdict(recipe.train).items() if not k.startswith("eval")}
-    key = json.dumps([str(Path(recipe.draft.model).resolve()), recipe.draft.method, target_key, train,
-                      recipe.chat_template], sort_keys=True)
+    parts = [str(Path(recipe.draft.model).resolve()), recipe.draft.method, target_key, train, recipe.chat_template]
+    if recipe.chat_template_kwargs:    # only when set: runs started without them keep their key
+        parts.append(recipe.chat_template_kwargs)
+    key = json.dumps(parts, sort_keys=True)
     return cache_root() / "train" / hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 
@@ -143,7 +145,8 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         d = DistillSpec(target=recipe.target.model, num_prompts=count, split=split,
                         max_new_tokens=spec.answer_tokens, max_prompt_chars=spec.max_prompt_chars,
                         batch_size=spec.generation_batch_size, chat_template=recipe.chat_template,
-                        dtype=dtype_name, device=recipe.runtime.device)
+                        dtype=dtype_name, device=recipe.runtime.device,
+                        chat_template_kwargs=recipe.chat_template_kwargs)
         status(f"self-distillation data: the target's answers to {count} {split} prompts "
                f"(kept in {distill_folder(d)})")
         total = [0]
@@ -173,8 +176,10 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     target = load_target(r.target_config, r.target_folder, dtype=dtype, device=r.device, dummy=False)
     target.requires_grad_(False)
     tokenizer = load_tokenizer(r.target_folder, target.vocab_size)
-    train = training_sequences(*train_files, tokenizer, recipe.chat_template, spec.max_seq_len)
-    heldout = training_sequences(*heldout_files, tokenizer, recipe.chat_template, spec.max_seq_len)
+    train = training_sequences(*train_files, tokenizer, recipe.chat_template, spec.max_seq_len,
+                               recipe.chat_template_kwargs)
+    heldout = training_sequences(*heldout_files, tokenizer, recipe.chat_template, spec.max_seq_len,
+                                 recipe.chat_template_kwargs)
     if not train:
         raise TrainError("the target produced no usable training answers (check train.prompts and "
                          "train.max_prompt_chars)")
