@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -64,18 +65,29 @@ def run(
         summary = run_job(parsed, prompts=prompts, output=output, limit=limit, resume=not no_resume,
                           on_start=on_start, on_progress=on_progress, on_status=on_status)
     _print_summary(summary)
+    if summary.stats["errors"]:
+        console.print(f"[yellow]{summary.stats['errors']} of {summary.stats['requests']} records are errors "
+                      f"(finish_reason \"error\"): exit code {EXIT_ERROR_RECORDS}[/yellow]", highlight=False)
+        raise typer.Exit(EXIT_ERROR_RECORDS)
+
+
+# Exit codes of `specgen run` (README): 0 every record generated; 1 the run failed (e.g. memory);
+# 2 bad input (recipe, checkpoint, output path, prompt source); 3 the run finished but some records
+# are errors (a bad prompt line, a prompt too long); 130 interrupted (resumable).
+EXIT_ERROR_RECORDS = 3
 
 
 @contextmanager
 def _stopping_cleanly(bar: Progress, expected: type[Exception], resume_hint: str):
-    """Around a long command: the bar always stops; an `expected` error prints as one line (exit 1),
-    Ctrl-C as the hint to resume (exit 130). Anything else is a bug and keeps its traceback."""
+    """Around a long command: the bar always stops; an `expected` error prints as one line (exit 2
+    when it is an input error, else 1), Ctrl-C as the hint to resume (exit 130). Anything else is a
+    bug and keeps its traceback."""
     try:
         yield
     except expected as err:
         bar.stop()
         console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2 if getattr(err, "exit_code", 1) == 2 else 1) from None
     except KeyboardInterrupt:
         bar.stop()
         console.print(f"\n[yellow]interrupted.[/yellow] {resume_hint}", highlight=False, soft_wrap=True)
@@ -135,6 +147,35 @@ def train_draft(
                   soft_wrap=True)
 
 
+@app.command("inspect-checkpoint")
+def inspect_checkpoint(
+    path: Annotated[str, typer.Argument(help="A checkpoint folder, a .gguf file or an alias.")],
+    target: Annotated[str | None, typer.Option(help="A target checkpoint: check this draft against it.")] = None,
+    json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    batch_size: Annotated[int, typer.Option(min=1, help="Batch size for the memory figures.")] = 1,
+    max_seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence for the memory figures.")] = 4096,
+) -> None:
+    """What a checkpoint holds and whether specgen can run it, from headers only (no weights read).
+    Exit 0: runnable; 1: not runnable (reasons listed); 2: unreadable input."""
+    from specgen.inspection.identify import Unreadable
+    from specgen.inspection.render import render, to_json
+    from specgen.inspection.report import inspect_checkpoint as inspect
+
+    try:
+        report = inspect(path, target, batch_size=batch_size, max_seq_len=max_seq_len)
+    except Unreadable as err:
+        if json_:
+            print(json.dumps({"path": path, "readable": False, "error": str(err)}, indent=2))
+        else:
+            console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    if json_:
+        print(to_json(report))
+    else:
+        render(report, Console(width=max(Console().width, 120)))
+    raise typer.Exit(0 if report.runnable else 1)
+
+
 @app.command()
 def bench(
     recipes: Annotated[list[Path], typer.Argument(help="One or more recipes of the same target.")],
@@ -184,7 +225,7 @@ def bench(
         report = run_bench(parsed, options, on_status=lambda line: console.print(line, highlight=False))
     except BenchError as err:
         console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(err.exit_code) from None
     # Wide enough for every column whatever the terminal: a narrow one wraps lines, never cuts figures.
     wide = Console(width=max(Console().width, 180))
     wide.print(table(report))

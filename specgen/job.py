@@ -4,7 +4,15 @@ Contract: `run_job(recipe, ...)` resolves the device and checkpoints, checks tha
 memory BEFORE any weights load, skips ids already in the output (resume), decides the CPU threads and
 whether compiling pays (saying why in the run's header), streams one result line per prompt as it
 finishes (errors are records, never crashes), and writes `<output>.stats.json` at the end (also after
-Ctrl-C, for what finished). Raises `JobError` for problems with the run as a whole.
+Ctrl-C, for what finished). Raises `JobError` for problems with the run as a whole, and its
+`InputError` for bad input (a checkpoint, the output path, the prompt source, the device asked for).
+
+Before anything loads, the output path is checked (its folder created, writable) and the target's
+and the draft's checkpoints are loaded dry (checkpoints/loading.py `dry=True`: headers only), so a
+truncated file, a missing shard, a wrong shape or a draft for another target stops the run in
+seconds, naming the file. The statistics cover every record in the output, a resumed run's
+included. A draft whose acceptance length stays at about 1.0 over its first `MISMATCH_DRAFTS`
+drafts is reported (it is probably not this target's draft).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from specgen.checkpoints.loading import (
     target_config,
     unread_tensor_groups,
 )
+from specgen.checkpoints.headers import without_gc
 from specgen.checkpoints.store import CheckpointError, cache_root, read_config, resolve_checkpoint
 from specgen.checkpoints.weights import tensor_names
 from specgen.checkpoints.tokenizer import load_tokenizer
@@ -37,6 +46,7 @@ from specgen.pipelines.compiled import freezes, use_compile_cache
 from specgen.pipelines.reasoning import THINK_END, THINK_START, ReasoningMarkers
 from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
+from specgen.pipelines.stats import SpecCounters
 from specgen.pipelines.stops import StopRules, eos_ids_from
 from specgen.pipelines.unified import UnifiedStep
 from specgen.recipe import Recipe
@@ -48,6 +58,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 class JobError(Exception):
     """The run as a whole cannot start (memory, checkpoint, prompt source); nothing was lost."""
+
+
+class InputError(JobError):
+    """Input the run cannot use (checkpoint, output path, prompt source, device): exit code 2."""
+
+    exit_code = 2
+
+
+# A draft that is not random-init, whose mean acceptance length stays below MISMATCH_LENGTH over its
+# first MISMATCH_DRAFTS drafts, is probably mismatched (a draft loaded in the wrong mode, or made for
+# another target, still matches a common token now and then, so "exactly 1.0" would miss it).
+MISMATCH_DRAFTS = 300
+MISMATCH_LENGTH = 1.05
 
 
 @dataclass(slots=True)
@@ -73,7 +96,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise JobError("recipe.runtime.device: cuda was asked for but no CUDA device is available")
+        raise InputError("recipe.runtime.device: cuda was asked for but no CUDA device is available")
     return torch.device(name)
 
 
@@ -95,8 +118,38 @@ def resolve(recipe: Recipe) -> Resolved:
             elif recipe.draft.load_format != "dummy":
                 draft_folder, draft_cfg = _draft_checkpoint(recipe, folder, config)
     except (CheckpointError, UnsupportedError, ValueError) as err:
-        raise JobError(str(err)) from err
-    return Resolved(device, DTYPES[dtype_name], folder, config, draft_folder, draft_cfg)
+        raise InputError(str(err)) from err
+    resolved = Resolved(device, DTYPES[dtype_name], folder, config, draft_folder, draft_cfg)
+    check_checkpoints(recipe, resolved)
+    return resolved
+
+
+def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
+    """Load the target and the draft dry (headers only, modules on the meta device): every check a
+    real load makes, in seconds, before anything is read. Problems are an `InputError`."""
+    dummy = recipe.target.load_format == "dummy"
+    try:
+        with without_gc():
+            target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device="meta",
+                                 dummy=dummy, dry=not dummy)
+            if recipe.draft.enabled and r.draft_config is not None and recipe.draft.load_format != "dummy":
+                load_draft(recipe.draft.method, r.draft_config, r.draft_folder, target,
+                           num_speculative_tokens=recipe.draft.num_speculative_tokens, dtype=r.dtype,
+                           device="meta", dummy=r.draft_folder is None, dry=r.draft_folder is not None)
+    except (CheckpointError, ValueError) as err:
+        raise InputError(str(err)) from err
+
+
+def check_output(path: Path) -> None:
+    """The output's folder exists (created if need be) and the output can be written, or InputError."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InputError(f"{path}: cannot create its folder {path.parent}: {err.strerror or err}") from None
+    if path.is_dir():
+        raise InputError(f"{path}: is a folder; the output is a .jsonl file")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise InputError(f"{path}: not writable")
 
 
 def with_overrides(config: dict, overrides: dict) -> dict:
@@ -332,9 +385,9 @@ def reasoning_markers(recipe: Recipe, tokenizer) -> ReasoningMarkers | None:
     if markers is None:
         missing = f"the tokenizer has no {THINK_START} / {THINK_END} tokens (not a reasoning model)"
         if recipe.reasoning is True:
-            raise JobError(f"recipe.reasoning: {missing}; set reasoning: auto or false")
+            raise InputError(f"recipe.reasoning: {missing}; set reasoning: auto or false")
         if recipe.sampling.relaxed_acceptance is not None:
-            raise JobError(f"recipe.sampling.relaxed_acceptance: applies inside reasoning spans only, and "
+            raise InputError(f"recipe.sampling.relaxed_acceptance: applies inside reasoning spans only, and "
                            f"{missing}; remove it")
     return markers
 
@@ -388,48 +441,89 @@ def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = 
     `on_status(line)` reports the one-time warm-up."""
     started = time.perf_counter()
     out_path = Path(output or recipe.output)
+    check_output(out_path)
+    check_output(stats_path(out_path))
     try:
         records = list(read_prompts(prompts or recipe.prompts, limit=limit))
     except PromptSourceError as err:
-        raise JobError(str(err)) from err
+        raise InputError(str(err)) from err
     r = resolve(recipe)
     memory = check_memory(recipe, r)
     seed = recipe.sampling.seed if recipe.sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
     with ResultWriter(out_path, resume=resume) as writer:
         todo = [rec for rec in records if rec.id not in writer.done_ids]
         skipped = len(records) - len(todo)
-        runner, tokenizer, notes = build_runner(recipe, r, seed, expected_steps=expected_steps(todo, recipe))
+        try:
+            runner, tokenizer, notes = build_runner(recipe, r, seed, expected_steps=expected_steps(todo, recipe))
+        except CheckpointError as err:     # the tokenizer, or weights that changed since the check
+            raise InputError(str(err)) from err
         if recipe.chat_template and tokenizer.chat_template is None:
             notes.append("the tokenizer has no chat template: prompts are used as plain text")
         if on_start is not None:
             on_start(len(todo), runner.header, notes)
+        watch = _MismatchWatch(recipe, on_status)
 
         def on_finish(c: Completion) -> None:
             writer.write(result_record(c))
 
+        def progress(p: Progress) -> None:
+            watch(p)
+            if on_progress is not None:
+                on_progress(p)
+
         complete = False
         try:
-            runner.run(_requests(todo, tokenizer, recipe), on_finish, on_progress, on_status)
+            runner.run(_requests(todo, tokenizer, recipe), on_finish, progress, on_status)
             complete = True
         finally:
             # Written after Ctrl-C too: the figures then cover the requests that finished.
-            stats = _stats(recipe, r, seed, runner, complete, memory, notes, time.perf_counter() - started)
+            notes += watch.notes
+            stats = _stats(recipe, r, seed, runner, complete, memory, notes, time.perf_counter() - started,
+                           out_path, skipped)
             write_json_atomic(stats_path(out_path), stats)
             runner.close()
     return JobSummary(out_path, stats_path(out_path), stats, skipped, notes)
 
 
+class _MismatchWatch:
+    """Says once when a draft that is not random accepts (almost) nothing over its first drafts."""
+
+    def __init__(self, recipe: Recipe, on_status: Callable[[str], None] | None) -> None:
+        self.armed = recipe.draft.enabled and recipe.draft.load_format != "dummy" and \
+            recipe.target.load_format != "dummy"
+        self.on_status = on_status
+        self.notes: list[str] = []
+
+    def __call__(self, p: Progress) -> None:
+        spec = p.totals
+        if not self.armed or spec.num_drafts < MISMATCH_DRAFTS:
+            return
+        self.armed = False
+        if spec.mean_acceptance_length < MISMATCH_LENGTH:
+            note = (f"mean acceptance length {spec.mean_acceptance_length:.3f} over the first {spec.num_drafts} "
+                    "drafts: the draft is probably mismatched with this target (made for another model or "
+                    "tokenizer, or the wrong draft.method). Output is still exactly the target's.")
+            self.notes.append(note)
+            if self.on_status is not None:
+                self.on_status(f"warning: {note}")
+
+
 def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: bool,
-           memory: dict[str, int], notes: list[str], wall: float) -> dict:
+           memory: dict[str, int], notes: list[str], wall: float, out_path: Path, skipped: int) -> dict:
+    """Counts and acceptance over every record in the output (a resumed run's earlier ones too);
+    throughput, steps and timings of this run (`this_run` says how much of the output it made)."""
     import transformers
 
     totals: RunTotals = runner.totals
+    every = output_totals(out_path, runner.unified.k)
     return {
         "complete": complete,
-        "requests": totals.requests,
-        "errors": totals.errors,
-        "output_tokens": totals.output_tokens,
-        "prompt_tokens": totals.prompt_tokens,
+        "requests": every["requests"],
+        "errors": every["errors"],
+        "output_tokens": every["output_tokens"],
+        "prompt_tokens": every["prompt_tokens"],
+        "this_run": {"requests": totals.requests, "errors": totals.errors, "output_tokens": totals.output_tokens,
+                     "resumed_past": skipped},
         "steps": totals.steps,
         "prefill_calls": totals.prefill_calls,
         "generation_seconds": totals.wall_seconds,
@@ -440,7 +534,7 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "compiled": runner.compiled,
         "threads": torch.get_num_threads(),
         "header": runner.header,
-        "spec": totals.spec.to_dict(),
+        "spec": every["spec"].to_dict(),
         "seed": seed,
         "recipe": recipe.to_dict(),
         "notes": notes,
@@ -450,6 +544,29 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "versions": {"specgen": _version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }
+
+
+def output_totals(path: Path, k: int) -> dict:
+    """Requests, errors, tokens and acceptance counters summed over the records of an output file."""
+    out = {"requests": 0, "errors": 0, "output_tokens": 0, "prompt_tokens": 0, "spec": SpecCounters(k)}
+    if not path.exists():
+        return out
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue       # a torn last line of a killed run (cut on resume)
+            if not isinstance(record, dict):
+                continue
+            out["requests"] += 1
+            out["errors"] += record.get("finish_reason") == "error"
+            out["output_tokens"] += int(record.get("num_output_tokens") or 0)
+            out["prompt_tokens"] += int(record.get("num_prompt_tokens") or 0)
+            spec = record.get("spec")
+            if isinstance(spec, dict) and len(spec.get("acceptance_histogram") or ()) == k + 1:
+                out["spec"].merge(SpecCounters.from_dict(spec))
+    return out
 
 
 def _device_name(device: torch.device) -> str:

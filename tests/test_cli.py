@@ -56,7 +56,9 @@ def test_run_writes_results_and_stats_then_resumes(setup):
     recipe = write_recipe(root, target, draft)
     out = root / "out.jsonl"
     result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(out))
-    assert result.exit_code == 0, result.output
+    # finished, with two error records (a bad line, a prompt too long): exit 3, not 0 and not a crash
+    assert result.exit_code == 3, result.output
+    assert "2 of 6 records are errors" in result.output
     # the header says what runs where; this short job chose eager by itself and says why
     header = next(line for line in result.output.splitlines() if line.startswith("specgen: "))
     assert "cpu" in header and "thread" in header and "batch 2" in header and "eagle3 K=2" in header
@@ -80,19 +82,25 @@ def test_run_writes_results_and_stats_then_resumes(setup):
     assert stats["prompt_tokens"] > 0 and stats["prefill_calls"] >= 1
 
     again = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(out))
-    assert again.exit_code == 0, again.output
+    assert again.exit_code == 3, again.output
     assert "already done" in again.output
     assert len(read_lines(out)) == 6  # nothing written twice
+    # the rerun generated nothing, and its stats still cover every record of the output
+    rerun = json.loads((root / "out.jsonl.stats.json").read_text())
+    assert rerun["this_run"]["requests"] == 0 and rerun["this_run"]["resumed_past"] == 6
+    for key in ("requests", "errors", "output_tokens", "prompt_tokens", "spec"):
+        assert rerun[key] == stats[key], key
 
 
 def test_draft_method_none_gives_identical_greedy_tokens(setup):
     root, target, draft, prompts = setup
     recipe = write_recipe(root, target, draft)
     spec_out, plain_out = root / "spec.jsonl", root / "plain.jsonl"
-    assert invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(spec_out)).exit_code == 0
+    # exit 3: these prompts hold two bad records
+    assert invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(spec_out)).exit_code == 3
     result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(plain_out),
                     "--set", "draft.method=none")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output
     spec = {r["id"]: r["token_ids"] for r in read_lines(spec_out)}
     plain = {r["id"]: r["token_ids"] for r in read_lines(plain_out)}
     assert spec == plain and any(spec.values())
@@ -182,11 +190,11 @@ def test_every_draft_method_gives_the_plain_greedy_tokens(setup, method):
     recipe = write_recipe(root, target, draft)
     plain_out, spec_out = root / f"plain-{method}.jsonl", root / f"{method}.jsonl"
     assert invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(plain_out),
-                  "--set", "draft.method=none").exit_code == 0
+                  "--set", "draft.method=none").exit_code == 3      # two bad records among the prompts
     result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(spec_out),
                     "--set", f"draft.method={method}", "--set", "draft.load_format=dummy",
                     "--set", "draft.model=null", "--set", "draft.num_speculative_tokens=3")
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 3, result.output
     assert "RANDOMLY INITIALISED" in result.output
     spec = {r["id"]: r["token_ids"] for r in read_lines(spec_out)}
     assert spec == {r["id"]: r["token_ids"] for r in read_lines(plain_out)}
@@ -198,5 +206,5 @@ def test_mtp_without_a_model_needs_mtp_layers_in_the_target(setup):
     recipe = write_recipe(root, target, draft)
     result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(root / "m.jsonl"),
                     "--set", "draft.method=mtp", "--set", "draft.model=null")
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "needs MTP layers in the target checkpoint" in result.output

@@ -365,8 +365,8 @@ def _drop_d2t(state):
 ERRORS = {
     "no d2t": (_drop_d2t, r"no d2t"),
     "d2t shape": (lambda s: s.update(d2t=s["d2t"][:-1]), r"d2t has shape \[63\], expected \[64\]"),
-    "d2t too high": (lambda s: s.update(d2t=s["d2t"] + V), r"d2t maps draft ids outside"),
-    "d2t negative": (lambda s: s.update(d2t=s["d2t"] - s["d2t"] - 1), r"d2t maps draft ids outside"),
+    "d2t too high": (lambda s: s.update(d2t=s["d2t"] + V), r"d2t maps draft ids to -?\d+\.\.\d+, outside the target vocabulary"),
+    "d2t negative": (lambda s: s.update(d2t=s["d2t"] - s["d2t"] - 1), r"d2t maps draft ids to -?\d+\.\.\d+, outside the target vocabulary"),
     "no fc": (lambda s: s.pop("fc.weight"), r"missing fc\.weight"),
     "no layer": (lambda s: [s.update({k.replace("midlayer.", "block."): s.pop(k)})
                             for k in list(s) if k.startswith("midlayer.")],

@@ -358,8 +358,8 @@ def test_relaxed_acceptance_through_specgen_run_is_counted_and_called_lossy(kimi
 
 def test_relaxed_acceptance_without_reasoning_markers_is_a_clear_error(tmp_path):
     """A tokenizer with no <think> / </think> (here: the byte stand-in of a Llama checkpoint) cannot
-    have reasoning spans: the run stops before any weight loads, naming the field (exit 1, as every
-    problem found once the checkpoint is read)."""
+    have reasoning spans: the run stops before any weight loads, naming the field (exit 2: a recipe
+    its checkpoint cannot serve is bad input)."""
     target = write_llama_checkpoint(tmp_path / "llama", tiny_llama_config(vocab_size=300))
     prompts_file = tmp_path / "p.jsonl"
     prompts_file.write_text('{"prompt": "hi"}\n')
@@ -368,11 +368,11 @@ def test_relaxed_acceptance_without_reasoning_markers_is_a_clear_error(tmp_path)
     recipe_file = tmp_path / "r.yaml"
     recipe_file.write_text("target: {model: x}\nsampling: {relaxed_acceptance: {top_k: 10, delta: 0.6}}\n")
     result = _run([args[0], str(recipe_file), *args[1:]])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert "recipe.sampling.relaxed_acceptance: applies inside reasoning spans only" in " ".join(result.output.split())
     recipe_file.write_text("target: {model: x}\nreasoning: true\n")
     result = _run([args[0], str(recipe_file), *args[1:]])
-    assert result.exit_code == 1 and "recipe.reasoning: the tokenizer has no <think>" in " ".join(result.output.split())
+    assert result.exit_code == 2 and "recipe.reasoning: the tokenizer has no <think>" in " ".join(result.output.split())
 
 
 # --------------------------------------------------------------------------- records: text and stops

@@ -35,7 +35,12 @@ from specgen.recipe import Recipe
 
 
 class BenchError(Exception):
-    """The benchmark cannot run (prompts, recipes that disagree on the target)."""
+    """The benchmark cannot run (prompts, recipes that disagree on the target). `exit_code` 2 for bad
+    input (a checkpoint, the prompt source), as `specgen run` says it."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,16 +117,18 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
     try:
         records = read_prompts(source)      # a missing file fails here, before any model loads
     except PromptSourceError as err:
-        raise BenchError(str(err)) from err
+        raise BenchError(str(err), exit_code=2) from err
     try:
         resolved = resolve(replace(base, draft=replace(base.draft, method="none")))
-        # every draft checkpoint is found before any model loads, once
+        # every draft checkpoint is found and checked (dry) before any model loads, once
         found = [resolve(recipe) for recipe in recipes]
+        target = load_target(resolved.target_config, resolved.target_folder, dtype=resolved.dtype,
+                             device=resolved.device, dummy=base.target.load_format == "dummy")
+        tokenizer = load_tokenizer(resolved.target_folder, target.vocab_size)
     except JobError as err:
-        raise BenchError(str(err)) from err
-    target = load_target(resolved.target_config, resolved.target_folder, dtype=resolved.dtype,
-                         device=resolved.device, dummy=base.target.load_format == "dummy")
-    tokenizer = load_tokenizer(resolved.target_folder, target.vocab_size)
+        raise BenchError(str(err), getattr(err, "exit_code", 1)) from err
+    except CheckpointError as err:
+        raise BenchError(str(err), exit_code=2) from err
     use_template = base.chat_template and tokenizer.chat_template is not None
     # The first `limit` usable prompts that fit every configuration's KV cache with their answer.
     room = min(r.runtime.max_seq_len for r in recipes) - options.max_tokens

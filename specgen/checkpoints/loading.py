@@ -9,6 +9,10 @@ Contract:
 - `load_draft(method, config, folder, target, ...)` reads the draft's tensors (those under the
   method's weight prefix; none when dummy) and hands them to the method's builder: drafts receive
   tensors and never open files.
+- `dry=True` (both loaders): the same path on the file headers (checkpoints/headers.py), returning the
+  module on the meta device: every check a real load makes (files, shards, key layout, shapes,
+  quantisation scales, the draft's config against its target) runs, and no tensor is read. `run`
+  does this before loading anything; `inspect-checkpoint` reports what it finds.
 - `has_draft_layers(method, folder, config)`: whether a checkpoint carries a method's layers (MTP
   layers inside a target checkpoint), from the file headers alone; `unread_tensor_groups` names
   what a target leaves unread (Kimi K2.5's vision encoder in a text-only run).
@@ -22,7 +26,7 @@ import torch
 
 from specgen.checkpoints.quantized import quantization_of
 from specgen.checkpoints.store import CheckpointError, weight_files
-from specgen.checkpoints.weights import read_tensors, tensor_names
+from specgen.checkpoints.weights import read_tensor_headers, read_tensors, tensor_names
 from specgen.models.materialise import build
 from specgen.registry import DRAFT_METHODS, UnsupportedError, target_architecture
 
@@ -42,16 +46,15 @@ def target_config(config: dict, where: str = "config.json"):
 
 
 def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device, dummy: bool,
-                seed: int = 0):
+                seed: int = 0, dry: bool = False):
     where = str(folder / "config.json") if folder else "config.json"
     builder = target_builder(config, where)
     cfg = target_config(config, where)
     state = None
     if not dummy:
-        quant = quantization_of(config, where)
-        state = builder.convert_state_dict(
-            read_tensors(weight_files(folder), device=device, dtype=dtype, quantization=quant,
-                         reads=builder.reads), cfg)
+        tensors = _read(folder, dry, device=device, dtype=dtype, quantization=quantization_of(config, where),
+                        reads=builder.reads)
+        state = _converted(lambda: builder.convert_state_dict(tensors, cfg), folder)
     model = build(lambda: builder.model_cls(cfg), state, dtype=dtype, device=device, seed=seed,
                   where=str(folder))
     return model.eval().requires_grad_(False)
@@ -59,18 +62,33 @@ def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device
 
 def load_draft(method: str, config: dict, folder: Path | None, target, *,
                num_speculative_tokens: int | None, dtype: torch.dtype, device, dummy: bool,
-               seed: int = 0):
+               seed: int = 0, dry: bool = False):
     builder = DRAFT_METHODS[method].builder()
     state = None
     if not dummy:
         prefix = builder.weight_prefix(config)
-        state = read_tensors(weight_files(Path(folder)), prefix=prefix, strip_prefix=True, device=device,
-                             dtype=dtype, quantization=quantization_of(config, str(folder)))
+        state = _read(Path(folder), dry, prefix=prefix, strip_prefix=True, device=device, dtype=dtype,
+                      quantization=quantization_of(config, str(folder)))
         if not state:
             raise CheckpointError(f"{folder}: no {method.upper()} weights (no tensors under {prefix or 'the root'}*)")
-    draft = builder.build(config, state, target, num_speculative_tokens=num_speculative_tokens,
-                          dtype=dtype, device=device, seed=seed, where=str(folder) if folder else "draft")
+    draft = _converted(lambda: builder.build(config, state, target, num_speculative_tokens=num_speculative_tokens,
+                                             dtype=dtype, device=device, seed=seed,
+                                             where=str(folder) if folder else "draft"), folder)
     return draft.eval().requires_grad_(False)
+
+
+def _read(folder: Path, dry: bool, *, device, **how) -> dict:
+    if dry:
+        return read_tensor_headers(folder, **how)
+    return read_tensors(weight_files(folder), device=device, **how)
+
+
+def _converted(convert, folder: Path | None):
+    """A key conversion that looks up a tensor the checkpoint lacks reports it by name."""
+    try:
+        return convert()
+    except KeyError as err:
+        raise CheckpointError(f"{folder}: missing tensor {err.args[0]}") from None
 
 
 def unread_tensor_groups(config: dict, folder: Path | None) -> list[str]:

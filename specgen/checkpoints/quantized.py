@@ -13,7 +13,9 @@ Contract:
   `X.weight_shape [2]` = [O, I]. Real value = (stored - 8) x scale.
 - `dequantize_state(state, quantization, dtype=, where=)` replaces every such group of tensors by the
   dequantised `X.weight` in the run's dtype, in place; leftovers (a scale without its weight, FP8 or
-  packed tensors without scales) are a `CheckpointError` naming the tensor.
+  packed tensors without scales) are a `CheckpointError` naming the tensor. Given `TensorHeader`s
+  (a dry load), it runs the same shape checks and gives headers of the dequantised weights; the
+  packed INT4 shape then comes from the packed tensor (`weight_shape`'s values are data).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specgen.checkpoints.headers import TensorHeader
 from specgen.checkpoints.store import CheckpointError
 
 FP8_SCALE = "weight_scale_inv"
@@ -71,6 +74,8 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor,
     if tuple(scale_inv.shape) != (math.ceil(rows / bo), math.ceil(cols / bi)):
         raise ValueError(f"scale shape {list(scale_inv.shape)} does not tile a {rows}x{cols} weight "
                          f"in {bo}x{bi} blocks")
+    if isinstance(weight, TensorHeader):
+        return weight.float()
     scale = scale_inv.float().repeat_interleave(bo, 0)[:rows].repeat_interleave(bi, 1)[:, :cols]
     return weight.float() * scale
 
@@ -84,6 +89,8 @@ def dequantize_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tor
     group = group or math.ceil(cols / scale.shape[1])
     if tuple(scale.shape) != (rows, math.ceil(cols / group)):
         raise ValueError(f"scale shape {list(scale.shape)} does not match groups of {group} over {cols} inputs")
+    if isinstance(packed, TensorHeader):
+        return TensorHeader((rows, cols), torch.float32, packed.names + scale.names)
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
     # an arithmetic shift of a negative int32 fills high bits with ones; the mask drops them
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF                                    # [O, I/8, 8]
@@ -103,13 +110,20 @@ def dequantize_state(state: dict[str, torch.Tensor], quantization: Quantization 
     for key in [k for k in state if k.endswith(INT4_PACKED)]:
         base = key[: -len(INT4_PACKED)]
         _dequantize(state, base, where, dtype,
-                    lambda: dequantize_int4_packed(state.pop(key), _take(state, base + INT4_SCALE, key, where),
-                                                   _take(state, base + INT4_SHAPE, key, where).tolist(),
-                                                   q.int4_group))
+                    lambda: _dequantize_int4(state, key, base, where, q.int4_group))
     left = [k for k, v in state.items() if is_quantized_part(k, v)]
     if left:
         raise CheckpointError(f"{where}: quantised tensors without their scales or weights: {', '.join(left[:4])}")
     return state
+
+
+def _dequantize_int4(state: dict, key: str, base: str, where: str, group: int | None):
+    packed = state.pop(key)
+    scale = _take(state, base + INT4_SCALE, key, where)
+    shape = _take(state, base + INT4_SHAPE, key, where)
+    if isinstance(shape, TensorHeader):      # a dry load: the values are data, the packing implies them
+        shape = (packed.shape[0], packed.shape[1] * 8)
+    return dequantize_int4_packed(packed, scale, shape.tolist() if isinstance(shape, torch.Tensor) else shape, group)
 
 
 def _take(state: dict, key: str, beside: str, where: str) -> torch.Tensor:

@@ -57,12 +57,10 @@ def resolve_checkpoint(name: str, *, needs_weights: bool = True) -> Path:
     """Alias, GGUF file or HF folder -> an HF-format folder (a bare .json config too, without weights)."""
     if name in MODEL_ALIASES:
         gguf = MODEL_ALIASES[name].locate()
-        return convert_gguf(gguf, cache_root() / "models" / name)
+        return convert_gguf(gguf, converted_folder(name, gguf))
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        stat = path.stat()
-        tag = hashlib.sha1(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-        return convert_gguf(path, cache_root() / "models" / f"{path.stem}-{tag[:10]}")
+        return convert_gguf(path, converted_folder(name, path))
     if path.is_file() and path.suffix == ".json" and not needs_weights:
         return config_only_folder(path)
     if path.is_file() and path.name == "config.json":
@@ -76,6 +74,15 @@ def resolve_checkpoint(name: str, *, needs_weights: bool = True) -> Path:
         return path
     known = ", ".join(sorted(MODEL_ALIASES))
     raise CheckpointError(f"{name}: not a known alias ({known}), a .gguf file or a folder with config.json")
+
+
+def converted_folder(name: str, gguf: Path) -> Path:
+    """Where the conversion of a GGUF file (given as an alias or a path) lives in the cache."""
+    if name in MODEL_ALIASES:
+        return cache_root() / "models" / name
+    stat = gguf.stat()
+    tag = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_root() / "models" / f"{gguf.stem}-{tag[:10]}"
 
 
 def convert_gguf(gguf: Path, out: Path) -> Path:

@@ -64,6 +64,30 @@ class DraftBuilder:
     weight_prefix: Callable[[dict], str] = _at_the_root
 
 
+@dataclass(frozen=True, slots=True)
+class FitCheck:
+    name: str          # "vocabulary", "hidden size", "layer ids", "mask token"
+    ok: bool
+    detail: str        # what was compared, or what is wrong
+
+
+class TargetFit:
+    """How a draft config's `from_hf` checks the draft against its target, one rule at a time. Without
+    a `TargetFit` (`fit=None`) the first failed rule raises ValueError (loading); with one, every rule
+    is recorded and none raises (inspect-checkpoint lists them as PASS / FAIL)."""
+
+    def __init__(self) -> None:
+        self.checks: list[FitCheck] = []
+
+    @staticmethod
+    def require(fit: TargetFit | None, name: str, ok: bool, problem: str, detail: str) -> None:
+        if fit is None:
+            if not ok:
+                raise ValueError(problem)
+            return
+        fit.checks.append(FitCheck(name, ok, detail if ok else problem))
+
+
 def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's default capture: the residual entering layers 2, L//2 and L-3, named as outputs."""
     n = num_target_layers

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgen.drafts.base import DraftBuilder, Pick, read_draft_config
+from specgen.drafts.base import DraftBuilder, Pick, TargetFit, read_draft_config
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
     GatedMLP,
@@ -91,11 +91,11 @@ class DFlashConfig:
 
     @classmethod
     def from_hf(cls, config: dict, *, target_layers: int, target_hidden: int,
-                target_vocab: int) -> DFlashConfig:
+                target_vocab: int, fit: TargetFit | None = None) -> DFlashConfig:
         layers = int(config["num_hidden_layers"])
         hidden = int(config["hidden_size"])
-        if hidden != target_hidden:
-            raise ValueError(f"hidden_size {hidden} differs from the target's {target_hidden}")
+        TargetFit.require(fit, "hidden size", hidden == target_hidden,
+                          f"hidden_size {hidden} differs from the target's {target_hidden}", f"{hidden}")
         heads = int(config["num_attention_heads"])
         block_size = int(_dflash_value(config, "block_size", 16))
         if block_size < 2:
@@ -104,19 +104,23 @@ class DFlashConfig:
         if mask is None:
             raise ValueError("dflash_config.mask_token_id is missing")
         mask = int(mask)
-        if not 0 <= mask < target_vocab:
-            raise ValueError(f"mask_token_id {mask} is not a row of the target embedding "
-                             f"(vocab_size {target_vocab}); the draft has no embedding of its own")
+        TargetFit.require(fit, "mask token", 0 <= mask < target_vocab,
+                          f"mask_token_id {mask} is not a row of the target embedding (vocab_size "
+                          f"{target_vocab}); the draft has no embedding of its own",
+                          f"{mask} < vocab_size {target_vocab}")
         ids = _dflash_value(config, "target_layer_ids")
         if ids is None:
             stated = config.get("num_target_layers")
-            if stated is not None and int(stated) != target_layers:
-                raise ValueError(f"num_target_layers {stated} differs from the target's {target_layers} "
-                                 "and no target_layer_ids are given")
+            TargetFit.require(fit, "target depth", stated is None or int(stated) == target_layers,
+                              f"num_target_layers {stated} differs from the target's {target_layers} "
+                              "and no target_layer_ids are given", f"{target_layers} layers")
             ids = default_target_layer_ids(target_layers, layers)
         ids = tuple(int(i) for i in ids)
-        if not ids or any(not 0 <= i < target_layers for i in ids):
-            raise ValueError(f"target_layer_ids {list(ids)} are outside the target's {target_layers} layers")
+        if not ids:
+            raise ValueError("dflash_config.target_layer_ids is empty")
+        TargetFit.require(fit, "layer ids", all(0 <= i < target_layers for i in ids),
+                          f"target_layer_ids {list(ids)} are outside the target's {target_layers} layers",
+                          f"reads target layers {list(ids)} of {target_layers}")
         types = config.get("layer_types") or ["full_attention"] * layers
         if len(types) != layers:
             raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specgen.checkpoints.headers import TensorHeader
 from specgen.checkpoints.store import CheckpointError
-from specgen.drafts.base import DraftBuilder, Pick, default_aux_layer_ids, read_draft_config
+from specgen.drafts.base import DraftBuilder, Pick, TargetFit, default_aux_layer_ids, read_draft_config
 from specgen.drafts.chain import chain_propose
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
@@ -69,23 +70,25 @@ class Eagle3Config:
 
     @classmethod
     def from_hf(cls, config: dict, *, target_layers: int, target_hidden: int,
-                target_vocab: int) -> Eagle3Config:
+                target_vocab: int, fit: TargetFit | None = None) -> Eagle3Config:
         layers = int(config.get("num_hidden_layers", 1))
         if layers != 1:
             raise ValueError(f"num_hidden_layers is {layers}; only single-layer EAGLE-3 drafts are supported")
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
         vocab = int(config.get("vocab_size") or target_vocab)
-        if vocab != target_vocab:
-            raise ValueError(f"vocab_size {vocab} differs from the target's {target_vocab}")
+        TargetFit.require(fit, "vocabulary", vocab == target_vocab,
+                          f"vocab_size {vocab} differs from the target's {target_vocab}", f"{vocab} tokens")
         eagle = config.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids")
         ids = tuple(int(i) for i in ids) if ids else default_aux_layer_ids(target_layers)
-        if any(not 0 <= i < target_layers for i in ids):
-            raise ValueError(f"aux layer ids {list(ids)} are outside the target's {target_layers} layers")
+        TargetFit.require(fit, "layer ids", all(0 <= i < target_layers for i in ids),
+                          f"aux layer ids {list(ids)} are outside the target's {target_layers} layers",
+                          f"reads target layers {list(ids)} of {target_layers}")
         target_h = int(config.get("target_hidden_size") or hidden)
-        if target_h != target_hidden:
-            raise ValueError(f"target_hidden_size {target_h} differs from the target's {target_hidden}")
+        TargetFit.require(fit, "hidden size", target_h == target_hidden,
+                          f"target_hidden_size {target_h} differs from the target's {target_hidden}",
+                          f"{target_h}")
         return cls(
             hidden_size=hidden,
             target_hidden_size=target_h,
@@ -233,13 +236,27 @@ def convert_eagle3_state_dict(state: dict[str, torch.Tensor], cfg: Eagle3Config,
         if d2t is None:
             raise CheckpointError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} < vocab_size "
                                   f"{cfg.vocab_size} but the checkpoint has no d2t")
-        if tuple(d2t.shape) != (cfg.draft_vocab_size,):
-            raise CheckpointError(f"{where}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
-        mapping = torch.arange(cfg.draft_vocab_size, device=d2t.device) + d2t.long()
-        if int(mapping.min()) < 0 or int(mapping.max()) >= cfg.vocab_size:
-            raise CheckpointError(f"{where}: d2t maps draft ids outside the target vocabulary")
-        return out, mapping
+        _check_d2t_shape(d2t, cfg, where)
+        # a dry load checks shapes only (the range is data: inspect-checkpoint reads d2t for it)
+        return out, None if isinstance(d2t, TensorHeader) else draft_to_target(d2t, cfg, where)
     return out, None
+
+
+def draft_to_target(d2t: torch.Tensor, cfg: Eagle3Config, where: str) -> torch.Tensor:
+    """The checkpoint's `d2t` offsets -> the draft->target id map [Vd], checked to land inside the
+    target vocabulary."""
+    _check_d2t_shape(d2t, cfg, where)
+    mapping = torch.arange(cfg.draft_vocab_size, device=d2t.device) + d2t.long()
+    low, high = int(mapping.min()), int(mapping.max())
+    if low < 0 or high >= cfg.vocab_size:
+        raise CheckpointError(f"{where}: d2t maps draft ids to {low}..{high}, outside the target vocabulary "
+                              f"0..{cfg.vocab_size - 1}")
+    return mapping
+
+
+def _check_d2t_shape(d2t, cfg: Eagle3Config, where: str) -> None:
+    if tuple(d2t.shape) != (cfg.draft_vocab_size,):
+        raise CheckpointError(f"{where}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
 
 
 def dummy_eagle3_config(t: TargetShape) -> dict:

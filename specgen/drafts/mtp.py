@@ -47,7 +47,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from specgen.drafts.base import DraftBuilder, Pick, read_draft_config
+from specgen.checkpoints.headers import TensorHeader
+from specgen.drafts.base import DraftBuilder, Pick, TargetFit, read_draft_config
 from specgen.drafts.chain import chain_propose
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
@@ -167,16 +168,16 @@ class MtpConfig:
 
     @classmethod
     def from_hf(cls, config: dict, *, target_layers: int, target_hidden: int,
-                target_vocab: int) -> MtpConfig:
+                target_vocab: int, fit: TargetFit | None = None) -> MtpConfig:
         nextn = int(config.get("num_nextn_predict_layers", 1))
         if nextn != 1:
             raise ValueError(f"num_nextn_predict_layers is {nextn}; only one MTP layer is supported")
         hidden = int(config["hidden_size"])
-        if hidden != target_hidden:
-            raise ValueError(f"hidden_size {hidden} differs from the target's {target_hidden}")
+        TargetFit.require(fit, "hidden size", hidden == target_hidden,
+                          f"hidden_size {hidden} differs from the target's {target_hidden}", f"{hidden}")
         vocab = int(config.get("vocab_size") or target_vocab)
-        if vocab != target_vocab:
-            raise ValueError(f"vocab_size {vocab} differs from the target's {target_vocab}")
+        TargetFit.require(fit, "vocabulary", vocab == target_vocab,
+                          f"vocab_size {vocab} differs from the target's {target_vocab}", f"{vocab} tokens")
         kind = block_type(config)
         return cls(
             hidden_size=hidden,
@@ -282,6 +283,10 @@ def convert_mtp_state_dict(state: dict[str, torch.Tensor], cfg: MtpConfig) -> di
 def _drop_duplicate(state: dict, key: str, shared: torch.Tensor, dtype: torch.dtype) -> None:
     """DeepSeek stores the shared embedding / head again in the MTP layer: share, don't copy."""
     tensor = state.get(key)
+    if isinstance(tensor, TensorHeader):      # a dry load cannot compare values: DeepSeek's always match
+        if tensor.shape == shared.shape:
+            del state[key]
+        return
     if tensor is not None and tensor.shape == shared.shape and torch.equal(
             tensor.to(device=shared.device, dtype=dtype), shared):
         del state[key]

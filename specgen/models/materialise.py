@@ -5,7 +5,10 @@ Contract: `build(make, state, dummy=..., dtype=..., device=...)` calls `make()` 
 checked; floating tensors cast to `dtype`) or allocates the module directly in `dtype` on `device`
 and fills it with deterministic random weights (load_format: dummy). Tensors shared under two names
 (a tied LM head) stay one tensor. A module with non-persistent buffers recomputes them in its
-`init_buffers(device)`, called last. Problems raise `CheckpointError` naming `where`.
+`init_buffers(device)`, called last. Problems raise `CheckpointError` naming `where`; a state that
+does not fit raises `LayoutError`, which lists every missing, unexpected and misshapen tensor.
+Given `TensorHeader`s (a dry load: checkpoints/headers.py), `build` runs the same checks and returns
+the module still on the meta device.
 """
 
 from __future__ import annotations
@@ -15,8 +18,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from specgen.checkpoints.headers import is_header_state
 from specgen.checkpoints.store import CheckpointError
 from specgen.checkpoints.weights import keeps_float32
+
+
+class LayoutError(CheckpointError):
+    """Checkpoint tensors that do not fit the module its config describes; `problems` lists them all."""
+
+    def __init__(self, where: str, problems: list[str]) -> None:
+        self.problems = problems
+        shown = "; ".join(problems[:6]) + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+        super().__init__(f"{where}: weights do not match the model: {shown}")
 
 
 def build(make: Callable[[], nn.Module], state: dict[str, torch.Tensor] | None, *, dtype: torch.dtype,
@@ -24,6 +37,11 @@ def build(make: Callable[[], nn.Module], state: dict[str, torch.Tensor] | None, 
     """`state` None = random weights (dummy)."""
     with torch.device("meta"):
         module = make()
+    if is_header_state(state):
+        check_layout(module, state, where)
+        return module
+    if state is None and torch.device(device).type == "meta":
+        return module           # the structure alone (a dry load's dummy target)
     if state is None:
         # Allocated straight in the run's dtype on the device: never an fp32 copy of an 8B model.
         # Moving off the meta device gives every module its own new Parameter, so parameters shared
@@ -59,24 +77,32 @@ def _set_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
     setattr(module.get_submodule(owner) if owner else module, attr, param)
 
 
+def layout_problems(module: nn.Module, state: dict) -> list[str]:
+    """Every way `state` fails to fit `module`: missing and unexpected names, shapes the config does
+    not imply (naming the checkpoint tensors a fused or stacked one came from, when known)."""
+    own = module.state_dict()
+    problems = [f"missing {k}" for k in sorted(own.keys() - state.keys())]
+    problems += [f"unexpected {k}" for k in sorted(state.keys() - own.keys())]
+    for key, tensor in state.items():
+        if key in own and tuple(tensor.shape) != tuple(own[key].shape):
+            sources = getattr(tensor, "names", ())
+            origin = f" (from {', '.join(sources[:3])}{' ...' if len(sources) > 3 else ''})" \
+                if sources and sources != (key,) else ""
+            problems.append(f"{key}{origin} has shape {list(tensor.shape)}, the config implies "
+                            f"{list(own[key].shape)}")
+    return problems
+
+
+def check_layout(module: nn.Module, state: dict, where: str) -> None:
+    problems = layout_problems(module, state)
+    if problems:
+        raise LayoutError(where, problems)
+
+
 def load_into(module: nn.Module, state: dict[str, torch.Tensor], *, dtype: torch.dtype,
               device: torch.device | str, where: str) -> None:
     """Assign `state` to `module` (floating tensors cast to `dtype`), all on `device`."""
-    expected = set(module.state_dict().keys())
-    missing = sorted(expected - state.keys())
-    unexpected = sorted(state.keys() - expected)
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {', '.join(unexpected[:6])}{' ...' if len(unexpected) > 6 else ''}")
-        raise CheckpointError(f"{where}: weights do not match the model: {'; '.join(parts)}")
-    own = module.state_dict()
-    for key, tensor in state.items():
-        if tuple(tensor.shape) != tuple(own[key].shape):
-            raise CheckpointError(f"{where}: {key} has shape {list(tensor.shape)}, "
-                                  f"the config implies {list(own[key].shape)}")
+    check_layout(module, state, where)
     cast: dict[int, torch.Tensor] = {}  # by identity: a tensor under two names is cast once
 
     def placed(key: str, t: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,14 @@ class SpecCounters:
         for i, n in enumerate(other.accepted_per_position):
             self.accepted_per_position[i] += n
 
+    @classmethod
+    def from_dict(cls, d: dict) -> SpecCounters:
+        """The counters of a result record's `spec` (as `to_dict` wrote them)."""
+        histogram = [int(n) for n in d["acceptance_histogram"]]
+        return cls(len(histogram) - 1, int(d["num_drafts"]), int(d["num_draft_tokens"]),
+                   int(d["num_accepted_tokens"]), int(d.get("num_relaxed_accepted_tokens") or 0),
+                   histogram, [int(n) for n in d["accepted_per_position"]])
+
     @property
     def mean_acceptance_length(self) -> float | None:
         if self.num_drafts == 0:
