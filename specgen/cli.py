@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -16,6 +15,11 @@ from specgen.recipe import RecipeError, load_recipe
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline batch generation with lossless speculative decoding.")
 console = Console(stderr=True)
+
+# Exit codes of `specgen run` (README): 0 every record generated; 1 the run failed (e.g. memory);
+# 2 bad input (recipe, checkpoint, output path, prompt source); 3 the run finished but some records
+# are errors (a bad prompt line, a prompt too long); 130 interrupted (resumable).
+EXIT_ERROR_RECORDS = 3
 
 
 @app.callback()
@@ -69,12 +73,6 @@ def run(
         console.print(f"[yellow]{summary.stats['errors']} of {summary.stats['requests']} records are errors "
                       f"(finish_reason \"error\"): exit code {EXIT_ERROR_RECORDS}[/yellow]", highlight=False)
         raise typer.Exit(EXIT_ERROR_RECORDS)
-
-
-# Exit codes of `specgen run` (README): 0 every record generated; 1 the run failed (e.g. memory);
-# 2 bad input (recipe, checkpoint, output path, prompt source); 3 the run finished but some records
-# are errors (a bad prompt line, a prompt too long); 130 interrupted (resumable).
-EXIT_ERROR_RECORDS = 3
 
 
 @contextmanager
@@ -158,14 +156,14 @@ def inspect_checkpoint(
     """What a checkpoint holds and whether specgen can run it, from headers only (no weights read).
     Exit 0: runnable; 1: not runnable (reasons listed); 2: unreadable input."""
     from specgen.inspection.identify import Unreadable
-    from specgen.inspection.render import render, to_json
+    from specgen.inspection.render import render, to_json, unreadable_json
     from specgen.inspection.report import inspect_checkpoint as inspect
 
     try:
         report = inspect(path, target, batch_size=batch_size, max_seq_len=max_seq_len)
     except Unreadable as err:
         if json_:
-            print(json.dumps({"path": path, "readable": False, "error": str(err)}, indent=2))
+            print(unreadable_json(path, err))
         else:
             console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -269,9 +267,11 @@ def _print_summary(summary) -> None:
     s = summary.stats
     if summary.skipped:
         console.print(f"resumed: {summary.skipped} prompts were already done in {summary.output}")
-    rate = s["output_tokens_per_second"]
-    line = (f"{s['requests']} prompts ({s['errors']} errors), {s['output_tokens']} tokens in "
+    rate, this = s["output_tokens_per_second"], s["this_run"]
+    line = (f"{this['requests']} prompts ({this['errors']} errors), {this['output_tokens']} tokens in "
             f"{s['generation_seconds']:.1f} s = {rate or 0:,.1f} tok/s")
+    if this["resumed_past"]:
+        line = (f"{s['requests']} prompts in the output ({s['errors']} errors); this run: " + line)
     if s["compile_seconds"]:
         line += (f" (compiling took {s['compile_seconds']:.1f} s; "
                  f"{s['steady_output_tokens_per_second'] or 0:,.1f} tok/s without it)")

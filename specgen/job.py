@@ -524,6 +524,8 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "prompt_tokens": every["prompt_tokens"],
         "this_run": {"requests": totals.requests, "errors": totals.errors, "output_tokens": totals.output_tokens,
                      "resumed_past": skipped},
+        # acceptance records written with another K (a recipe changed between runs) are left out of `spec`
+        "spec_records_of_another_k": every["records_of_another_k"],
         "steps": totals.steps,
         "prefill_calls": totals.prefill_calls,
         "generation_seconds": totals.wall_seconds,
@@ -548,24 +550,28 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
 
 def output_totals(path: Path, k: int) -> dict:
     """Requests, errors, tokens and acceptance counters summed over the records of an output file."""
-    out = {"requests": 0, "errors": 0, "output_tokens": 0, "prompt_tokens": 0, "spec": SpecCounters(k)}
+    out = {"requests": 0, "errors": 0, "output_tokens": 0, "prompt_tokens": 0, "spec": SpecCounters(k),
+           "records_of_another_k": 0}
     if not path.exists():
         return out
     with path.open(encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                continue       # a torn last line of a killed run (cut on resume)
-            if not isinstance(record, dict):
-                continue
-            out["requests"] += 1
-            out["errors"] += record.get("finish_reason") == "error"
-            out["output_tokens"] += int(record.get("num_output_tokens") or 0)
-            out["prompt_tokens"] += int(record.get("num_prompt_tokens") or 0)
-            spec = record.get("spec")
-            if isinstance(spec, dict) and len(spec.get("acceptance_histogram") or ()) == k + 1:
-                out["spec"].merge(SpecCounters.from_dict(spec))
+                out["requests"] += 1
+                out["errors"] += record.get("finish_reason") == "error"
+                out["output_tokens"] += int(record.get("num_output_tokens") or 0)
+                out["prompt_tokens"] += int(record.get("num_prompt_tokens") or 0)
+                spec = record.get("spec")
+                if spec is None:
+                    continue
+                counters = SpecCounters.from_dict(spec)
+            except (ValueError, TypeError, KeyError, AttributeError):
+                continue       # a torn last line of a killed run (cut on resume), or a foreign line
+            if counters.num_speculative_tokens == k:
+                out["spec"].merge(counters)
+            else:              # written by a run with another K (the same output, a changed recipe)
+                out["records_of_another_k"] += 1
     return out
 
 

@@ -155,6 +155,30 @@ def break_garbage_header(folder: Path) -> str:
     return path.name
 
 
+def break_offsets(folder: Path) -> str:
+    """A gap in the data: the second tensor starts 8 bytes after the first one ends."""
+    path = first_file(folder)
+    header = _header_of(path)
+    second = [k for k in header if k != "__metadata__"][1]
+    header[second]["data_offsets"] = [o + 8 for o in header[second]["data_offsets"]]
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    size = path.stat().st_size - 8 - struct.unpack("<Q", open(path, "rb").read(8))[0]
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + size)
+    return path.name
+
+
+def break_index(folder: Path) -> str:
+    """The index places a tensor in a shard whose header does not hold it."""
+    index = folder / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    data["weight_map"]["model.layers.0.ghost.weight"] = sorted(set(data["weight_map"].values()))[0]
+    index.write_text(json.dumps(data))
+    return index.name
+
+
 def break_truncated_header(folder: Path) -> str:
     """The file ends inside its own header."""
     path = first_file(folder)
@@ -164,12 +188,17 @@ def break_truncated_header(folder: Path) -> str:
     return path.name
 
 
-def edit_header(folder: Path, edit) -> None:
-    """Rewrite one file's header through `edit(header dict)`, keeping the file's data size."""
-    path = next(p for p in sorted(folder.glob("*.safetensors")))
-    with open(path, "r+b") as f:
-        length = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(length))
+def _header_of(path: Path) -> dict:
+    with open(path, "rb") as f:
+        return json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+
+
+def edit_header(folder: Path, edit, holding: str | None = None) -> None:
+    """Rewrite the header of the file holding tensor `holding` (the first file when None) through
+    `edit(header dict)`; offsets are recomputed and the file resized to match (a consistent file)."""
+    files = sorted(folder.glob("*.safetensors"))
+    path = next(p for p in files if holding is None or holding in _header_of(p))
+    header = _header_of(path)
     edit(header)
     offset = 0
     for name, entry in header.items():

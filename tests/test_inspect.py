@@ -16,8 +16,8 @@ import re
 import pytest
 import yaml
 from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
-from header_checkpoints import (LAYOUTS, break_garbage_header, break_missing_shard, break_truncate,
-                                break_truncated_header, edit_header, header_bytes, write_layout)
+from header_checkpoints import (LAYOUTS, break_garbage_header, break_index, break_missing_shard, break_offsets,
+                                break_truncate, break_truncated_header, edit_header, header_bytes, write_layout)
 from typer.testing import CliRunner
 
 from specgen.cli import app
@@ -38,8 +38,13 @@ def invoke(*args):
 
 def inspect_json(*args) -> tuple[int, dict]:
     result = invoke("inspect-checkpoint", *args, "--json")
-    assert "Traceback" not in result.output
+    assert_no_crash(result)
     return result.exit_code, json.loads(result.stdout)
+
+
+def assert_no_crash(result) -> None:
+    """An exit code the command chose (CliRunner keeps an uncaught exception in `result.exception`)."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +145,20 @@ def _reshape(name, shape):
     return lambda header: header[name].update(shape=shape)
 
 
+def _reshaped(folder, shapes: dict) -> None:
+    """Give tensors other shapes, each in the file that holds it."""
+    for name, shape in shapes.items():
+        edit_header(folder, _reshape(name, shape), name)
+
+
 def _drop(name):
     return lambda header: header.pop(name)
+
+
+E5 = "model.layers.3.mlp.experts.5.down_proj.weight"
+K0 = "model.layers.0.self_attn.k_proj.weight"
+ENORM = "model.layers.61.enorm.weight"
+KIMI_PACKED = "language_model.model.layers.1.mlp.experts.0.gate_proj.weight_packed"
 
 
 # name -> (layout, how to break it (folder -> None), --target layout, expected message, inspect exit)
@@ -152,8 +169,19 @@ BROKEN = {
     "cut header": ("llama-3.1-8b", break_truncated_header, None, r"corrupt or truncated header", 2),
     "wrong shape": ("llama-3.1-8b", lambda f: edit_header(f, _reshape("model.embed_tokens.weight", [128256, 4000])),
                     None, r"model\.embed_tokens\.weight has shape \[128256, 4000\], the config implies \[128256, 4096\]", 1),
+    "offset gap": ("llama-3.1-8b", break_offsets, None, r"corrupt header: tensor .* starts at byte", 2),
+    "index without its tensor": ("llama-3.1-8b", break_index, None,
+                                 r"places model\.layers\.0\.ghost\.weight in this file, but its header lacks it", 2),
+    "unfusable projection": ("llama-3.1-8b", lambda f: _reshaped(f, {K0: [1024, 4000]}), None,
+                             r"k_proj\.weight has shape \[1024, 4000\], which cannot be concatenated", 1),
     "missing tensor": ("deepseek-v3", lambda f: edit_header(f, _drop("model.embed_tokens.weight")), None,
                        r"missing tensor model\.embed_tokens\.weight|missing model\.embed_tokens\.weight", 1),
+    "unstackable expert": ("deepseek-v3", lambda f: _reshaped(f, {E5: [7168, 1920], E5 + "_scale_inv": [56, 15]}), None,
+        r"experts\.5\.down_proj\.weight has shape \[7168, 1920\], which cannot be stacked", 1),
+    "mtp layer incomplete": ("deepseek-v3", lambda f: edit_header(f, _drop(ENORM), ENORM), None,
+                             r"missing enorm\.weight", 1),
+    "int4 packing": ("kimi-k2.5", lambda f: _reshaped(f, {KIMI_PACKED: [2048, 800]}), None,
+                     r"packed shape \[2048, 800\] does not hold a 2048x6400 weight|does not match groups", 1),
     "fp8 scale shape": ("deepseek-v3", lambda f: edit_header(
         f, _reshape("model.layers.0.self_attn.q_a_proj.weight_scale_inv", [12, 55])), None, r"does not tile", 1),
     "draft for another vocabulary": ("eagle3-llama3.1-8b", lambda f: _edited_config(f, vocab_size=151936),
@@ -190,7 +218,8 @@ def test_inspect_flags_each_broken_variant(broken):
         reasons = report["problems"] + [c["detail"] for c in report["compatibility"] or [] if not c["ok"]]
         assert any(re.search(message, r) for r in reasons), reasons
     text = invoke("inspect-checkpoint", *args)
-    assert text.exit_code == code and "Traceback" not in text.output
+    assert text.exit_code == code
+    assert_no_crash(text)
 
 
 @pytest.mark.parametrize("broken", list(BROKEN), indirect=True)
@@ -198,7 +227,8 @@ def test_run_stops_on_each_broken_variant_with_exit_2(broken, tmp_path):
     """Before any weight loads: `path: problem`, exit 2, no traceback, no output written."""
     folder, target, message, _ = broken
     if target is None:
-        recipe = {"target": {"model": str(folder)}, "draft": {"method": "none"}}
+        mtp = "enorm" in message     # the MTP layer inside the target: checked when a run drafts with it
+        recipe = {"target": {"model": str(folder)}, "draft": {"method": "mtp" if mtp else "none"}}
     else:
         method = json.loads((folder / "config.json").read_text())
         recipe = {"target": {"model": str(target)},
@@ -208,7 +238,7 @@ def test_run_stops_on_each_broken_variant_with_exit_2(broken, tmp_path):
     path.write_text(yaml.safe_dump(recipe))
     result = invoke("run", str(path), "--prompts", "default", "--limit", "1")
     assert result.exit_code == 2, result.output
-    assert "Traceback" not in result.output and isinstance(result.exception, SystemExit)
+    assert_no_crash(result)
     assert re.search(message, " ".join(result.output.split())), result.output
     assert folder.name in result.output          # the message names the checkpoint
     assert not (tmp_path / "out" / "results.jsonl").exists()
@@ -249,7 +279,8 @@ def test_an_output_path_that_cannot_be_written_exits_2_before_loading(tiny, tmp_
     blocker.write_text("not a folder")
     recipe = _recipe(tmp_path, target, draft)
     result = invoke("run", str(recipe), "--output", str(blocker / "sub" / "out.jsonl"), "--limit", "1")
-    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.exit_code == 2
+    assert_no_crash(result)
     assert "cannot create its folder" in result.output and "a-file" in result.output
     result = invoke("run", str(recipe), "--output", str(tmp_path), "--limit", "1")
     assert result.exit_code == 2 and "is a folder" in result.output
@@ -291,5 +322,86 @@ def test_bench_stops_on_a_broken_checkpoint_with_exit_2(tmp_path):
                                     "runtime": {"device": "cpu"}}))
     result = invoke("bench", str(path), "--prompts", "default", "--baselines", "ar", "--output",
                     str(tmp_path / "bench.json"))
-    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.exit_code == 2
+    assert_no_crash(result)
     assert "truncated" in result.output and not (tmp_path / "bench.json").exists()
+
+
+# ------------------------------------------------------------------------- the dry load == the load
+
+TINY_BREAKS = {   # a real tiny checkpoint's tensors, edited
+    "wrong shape": lambda s: s.update({"model.layers.1.mlp.down_proj.weight": s["model.layers.1.mlp.down_proj.weight"][:, :-1]}),
+    "missing and unexpected": lambda s: s.update({"model.layers.2.extra.weight": s.pop("model.norm.weight")}),
+    "unfusable": lambda s: s.update({"model.layers.0.self_attn.v_proj.weight": s["model.layers.0.self_attn.v_proj.weight"][:, :-1]}),
+}
+
+
+@pytest.mark.parametrize("name", list(TINY_BREAKS))
+def test_the_dry_check_finds_exactly_what_the_real_load_finds(tmp_path, name):
+    """One source of truth: on the same broken checkpoint, the header-only check and the real load
+    raise the same error (LayoutError lists every problem; both paths list the same ones)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from specgen.checkpoints.loading import load_target
+    from specgen.checkpoints.store import CheckpointError, read_config
+    from specgen.models.materialise import LayoutError
+
+    folder = write_llama_checkpoint(tmp_path / "t", tiny_llama_config())
+    state = load_file(str(folder / "model.safetensors"))
+    TINY_BREAKS[name](state)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    config = read_config(folder)
+    errors = []
+    for dry in (True, False):
+        with pytest.raises(CheckpointError) as err:
+            load_target(config, folder, dtype=torch.float32, device="meta" if dry else "cpu", dummy=False, dry=dry)
+        errors.append(err.value)
+    dry_error, real_error = errors
+    assert type(dry_error) is type(real_error) and str(folder) in str(dry_error)
+    if isinstance(dry_error, LayoutError):
+        assert dry_error.problems == real_error.problems and dry_error.problems
+    else:      # fusing tensors of the wrong width: the dry check names them, torch does not
+        assert "cannot be concatenated" in str(dry_error) and "v_proj" in str(dry_error)
+
+
+def test_the_mismatch_warning_needs_enough_drafts_and_a_real_draft():
+    from types import SimpleNamespace
+
+    from specgen.job import MISMATCH_DRAFTS, _MismatchWatch
+    from specgen.pipelines.stats import SpecCounters
+    from specgen.recipe import recipe_from_dict
+
+    def progress(drafts, accepted):
+        counters = SpecCounters(2, drafts, 2 * drafts, accepted)
+        return SimpleNamespace(totals=counters)
+
+    real = recipe_from_dict({"target": {"model": "x"}, "draft": {"method": "eagle3", "model": "d"}})
+    said = []
+    watch = _MismatchWatch(real, said.append)
+    watch(progress(MISMATCH_DRAFTS - 1, 0))           # too early to tell
+    assert not said
+    watch(progress(MISMATCH_DRAFTS, MISMATCH_DRAFTS))  # acceptance length 2.0: a working draft
+    watch(progress(2 * MISMATCH_DRAFTS, 0))            # judged once, at the first chance only
+    assert not said and not watch.notes
+    dummy = recipe_from_dict({"target": {"model": "x"}, "draft": {"method": "eagle3", "load_format": "dummy"}})
+    quiet = _MismatchWatch(dummy, said.append)
+    quiet(progress(MISMATCH_DRAFTS, 0))               # random-init drafts accept nothing by design
+    assert not said
+    loud = _MismatchWatch(real, said.append)
+    loud(progress(MISMATCH_DRAFTS, 3))
+    assert len(said) == 1 and "probably mismatched" in said[0] and loud.notes
+
+
+def test_a_dflash_draft_alone_is_checked_against_the_depth_it_states(tmp_path, layouts):
+    """Without --target, the layout is checked against the dimensions the draft's config states,
+    read where its loader reads them (top-level target_layer_ids included)."""
+    from header_checkpoints import layout, write_header_only
+
+    config, tensors = layout("dflash-qwen3-8b")
+    ids = config.pop("dflash_config")
+    config.update(ids)                        # mask_token_id and target_layer_ids at the top level
+    config.pop("num_target_layers", None)
+    folder = write_header_only(tmp_path / "dflash", config, tensors)
+    code, report = inspect_json(str(folder))
+    assert code == 0 and report["fields"]["target layer ids"] == ids["target_layer_ids"], report["problems"]

@@ -37,7 +37,11 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _ITEM_BYTES = {k: v.itemsize for k, v in SAFETENSORS_DTYPES.items()}
-MAX_HEADER_BYTES = 100 << 20      # safetensors' own limit
+MAX_HEADER_BYTES = 100_000_000      # safetensors' own limit
+
+
+class ShapeMismatch(ValueError):
+    """Checkpoint tensors whose shapes cannot be fused or stacked (the loader names the folder)."""
 
 
 class TensorHeader:
@@ -84,28 +88,40 @@ class TensorHeader:
         return self
 
     def split(self, sizes, dim: int = 0) -> tuple[TensorHeader, ...]:
+        """As `Tensor.split`: an int is a chunk size (the last chunk smaller), a list the sizes."""
+        length = self.shape[dim]
         if isinstance(sizes, int):
-            sizes = [sizes] * math.ceil(self.shape[dim] / sizes)
+            sizes = [sizes] * (length // sizes) + ([length % sizes] if length % sizes else [])
+        if sum(sizes) != length:
+            raise ShapeMismatch(f"{self._named()} has {length} rows along dim {dim}, not {sum(sizes)}")
         return tuple(self._like(_with(self.shape, dim, s)) for s in sizes)
 
     def chunk(self, n: int, dim: int = 0) -> tuple[TensorHeader, ...]:
         return self.split(math.ceil(self.shape[dim] / n), dim)
 
+    def _named(self) -> str:
+        return ", ".join(self.names[:3]) + (" ..." if len(self.names) > 3 else "") or "a tensor"
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (torch.cat, torch.stack):
-            parts = list(args[0])
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            first = parts[0]
-            names = tuple(n for p in parts for n in p.names)
-            if func is torch.stack:
-                return first._like((*first.shape[:dim], len(parts), *first.shape[dim:]), names=names)
-            others = [_with(p.shape, dim, 0) for p in parts]
-            if any(o != others[0] for o in others):
-                raise ValueError(f"cannot concatenate shapes {[list(p.shape) for p in parts]} along {dim}")
-            return first._like(_with(first.shape, dim, sum(p.shape[dim] for p in parts)), names=names)
-        raise TypeError(f"{func.__name__} is not defined on tensor headers (a checkpoint check needs shapes only)")
+        if func not in (torch.cat, torch.stack):
+            raise TypeError(f"{func.__name__} is not defined on tensor headers (a checkpoint check needs shapes only)")
+        parts = list(args[0])
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        first = parts[0]
+        names = tuple(n for p in parts for n in p.names)
+        # stack: every shape equal; cat: equal but along `dim` (torch raises RuntimeError for either)
+        rest = [p.shape if func is torch.stack else _with(p.shape, dim, 0) for p in parts]
+        odd = next((p for p, r in zip(parts, rest) if r != rest[0]), None)
+        if odd is not None:
+            verb = "stacked" if func is torch.stack else "concatenated"
+            raise ShapeMismatch(f"{odd._named()} has shape {list(odd.shape)}, which cannot be {verb} with "
+                                f"{first._named()} of shape {list(first.shape)}")
+        if func is torch.stack:
+            at = dim if dim >= 0 else dim + first.ndim + 1
+            return first._like((*first.shape[:at], len(parts), *first.shape[at:]), names=names)
+        return first._like(_with(first.shape, dim, sum(p.shape[dim] for p in parts)), names=names)
 
 
 def _with(shape: tuple, dim: int, size: int) -> tuple:
@@ -115,11 +131,14 @@ def _with(shape: tuple, dim: int, size: int) -> tuple:
 
 
 def is_header_state(state: dict | None) -> bool:
+    """Whether a loader's state holds headers (a dry load) rather than tensors."""
     return bool(state) and isinstance(next(iter(state.values())), TensorHeader)
 
 
 @dataclass(frozen=True, slots=True)
 class FileHeader:
+    """One safetensors file: its tensors (as headers), its `__metadata__`, its data region's size."""
+
     path: Path
     tensors: dict[str, TensorHeader]
     metadata: dict[str, str]
@@ -150,7 +169,7 @@ def read_header(path: Path) -> FileHeader:
         raise CheckpointError(f"{path}: corrupt header: not valid JSON ({err})") from None
     metadata = entries.pop("__metadata__", None) or {}
     tensors: dict[str, TensorHeader] = {}
-    end = 0
+    spans: list[tuple[int, int, str]] = []
     dtypes, item_bytes, prod = SAFETENSORS_DTYPES, _ITEM_BYTES, math.prod    # a hot loop: 10^5 entries
     for name, entry in entries.items():
         try:
@@ -162,12 +181,19 @@ def read_header(path: Path) -> FileHeader:
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{path}: corrupt header: tensor {name!r} has no valid dtype, shape and "
                                   f"data_offsets ({err!r})") from None
-        if not fits or type(stop) is not int:
+        if not fits or type(stop) is not int or any(type(n) is not int or n < 0 for n in shape):
             raise CheckpointError(f"{path}: corrupt header: tensor {name} spans bytes {start}..{stop}, "
                                   f"which does not fit its shape {shape} of {entry['dtype']}")
         tensors[name] = TensorHeader(shape, dtype, (name,))
-        if stop > end:
-            end = stop
+        spans.append((start, stop, name))
+    spans.sort()
+    for (_, stop, before), (start, _, name) in zip(spans, spans[1:]):
+        if start != stop:     # safetensors wants the data packed, in order, without gaps or overlaps
+            raise CheckpointError(f"{path}: corrupt header: tensor {name} starts at byte {start} of the data, "
+                                  f"but {before} ends at {stop}")
+    if spans and spans[0][0] != 0:
+        raise CheckpointError(f"{path}: corrupt header: the first tensor's data starts at byte {spans[0][0]}, not 0")
+    end = spans[-1][1] if spans else 0
     if 8 + length + end > size:
         raise CheckpointError(f"{path}: truncated: its header describes {8 + length + end:,} bytes, "
                               f"the file holds {size:,}")

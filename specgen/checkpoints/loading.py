@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from specgen.checkpoints.headers import ShapeMismatch
 from specgen.checkpoints.quantized import quantization_of
 from specgen.checkpoints.store import CheckpointError, weight_files
 from specgen.checkpoints.weights import read_tensor_headers, read_tensors, tensor_names
@@ -84,11 +85,14 @@ def _read(folder: Path, dry: bool, *, device, **how) -> dict:
 
 
 def _converted(convert, folder: Path | None):
-    """A key conversion that looks up a tensor the checkpoint lacks reports it by name."""
+    """A key conversion that looks up a tensor the checkpoint lacks, or fuses / stacks tensors whose
+    shapes disagree, reports it naming the folder (a dry load names the tensors too)."""
     try:
         return convert()
     except KeyError as err:
         raise CheckpointError(f"{folder}: missing tensor {err.args[0]}") from None
+    except (ShapeMismatch, RuntimeError) as err:
+        raise CheckpointError(f"{folder}: {err}") from None
 
 
 def unread_tensor_groups(config: dict, folder: Path | None) -> list[str]:

@@ -13,7 +13,6 @@ headers only.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from safetensors import SafetensorError, safe_open
 
 from specgen.checkpoints.headers import checkpoint_headers
 from specgen.checkpoints.quantized import Quantization, dequantize_state, is_quantized_part
-from specgen.checkpoints.store import CheckpointError, weight_files
+from specgen.checkpoints.store import CheckpointError
 
 # Tensors that stay float32 in any run dtype (transformers keeps them so too): the MoE router's
 # score-correction bias decides expert choices by small margins.
@@ -79,15 +78,5 @@ def _place(state: dict, key: str, tensor, strip: str, dtype: torch.dtype | None)
 
 
 def tensor_names(folder: Path) -> list[str]:
-    """Every tensor name in the checkpoint folder, from the shard index or the file headers."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text())["weight_map"])
-    names: list[str] = []
-    for path in weight_files(folder):
-        try:
-            with safe_open(str(path), framework="pt") as f:   # reads the header only
-                names.extend(f.keys())
-        except (OSError, RuntimeError, ValueError, SafetensorError) as err:
-            raise CheckpointError(f"{path}: cannot read safetensors: {err}") from err
-    return names
+    """Every tensor name in the checkpoint folder, from the checked file headers."""
+    return list(checkpoint_headers(folder))

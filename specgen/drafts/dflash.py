@@ -64,7 +64,7 @@ def default_target_layer_ids(num_target_layers: int, n: int) -> tuple[int, ...]:
     return tuple(int(round(start + i * (end - start) / (n - 1))) for i in range(n))
 
 
-def _dflash_value(config: dict, name: str, default=None):
+def dflash_value(config: dict, name: str, default=None):
     # The reference reads dflash_config first, then the top level (`_draft_value`).
     value = (config.get("dflash_config") or {}).get(name)
     if value is None:
@@ -97,10 +97,10 @@ class DFlashConfig:
         TargetFit.require(fit, "hidden size", hidden == target_hidden,
                           f"hidden_size {hidden} differs from the target's {target_hidden}", f"{hidden}")
         heads = int(config["num_attention_heads"])
-        block_size = int(_dflash_value(config, "block_size", 16))
+        block_size = int(dflash_value(config, "block_size", 16))
         if block_size < 2:
             raise ValueError(f"block_size {block_size} leaves no token to draft")
-        mask = _dflash_value(config, "mask_token_id")
+        mask = dflash_value(config, "mask_token_id")
         if mask is None:
             raise ValueError("dflash_config.mask_token_id is missing")
         mask = int(mask)
@@ -108,7 +108,7 @@ class DFlashConfig:
                           f"mask_token_id {mask} is not a row of the target embedding (vocab_size "
                           f"{target_vocab}); the draft has no embedding of its own",
                           f"{mask} < vocab_size {target_vocab}")
-        ids = _dflash_value(config, "target_layer_ids")
+        ids = dflash_value(config, "target_layer_ids")
         if ids is None:
             stated = config.get("num_target_layers")
             TargetFit.require(fit, "target depth", stated is None or int(stated) == target_layers,
@@ -125,7 +125,7 @@ class DFlashConfig:
         if len(types) != layers:
             raise ValueError(f"layer_types has {len(types)} entries for {layers} layers")
         window = config.get("sliding_window")
-        is_causal = _dflash_value(config, "is_causal")
+        is_causal = dflash_value(config, "is_causal")
         windows, causal = [], []
         for kind in types:
             if kind == "sliding_attention":

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import json
+import math
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from specgen.inspection.report import Inspection, human_bytes
+from specgen.inspection.report import Inspection
 
 
 def to_json(report: Inspection) -> str:
     return json.dumps(report.to_dict(), indent=2, default=str)
+
+
+def unreadable_json(path: str, error: Exception) -> str:
+    return json.dumps({"path": path, "readable": False, "error": str(error)}, indent=2)
+
+
+def human_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    exp = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024 ** exp:,.2f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exp]}"
 
 
 def render(report: Inspection, console: Console) -> None:
