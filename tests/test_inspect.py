@@ -405,3 +405,25 @@ def test_a_dflash_draft_alone_is_checked_against_the_depth_it_states(tmp_path, l
     folder = write_header_only(tmp_path / "dflash", config, tensors)
     code, report = inspect_json(str(folder))
     assert code == 0 and report["fields"]["target layer ids"] == ids["target_layer_ids"], report["problems"]
+
+
+def test_d2t_out_of_the_target_vocabulary_fails_its_check(tiny, tmp_path):
+    """The one tensor inspect reads: a reduced-vocabulary EAGLE-3 draft's d2t, checked against --target."""
+    from safetensors.torch import load_file, save_file
+
+    _, target, _ = tiny
+    config = tiny_llama_config(vocab_size=300)
+    draft = write_eagle3_checkpoint(tmp_path / "d", tiny_eagle3_config(config, draft_vocab_size=200), config)
+    code, report = inspect_json(str(draft), "--target", str(target))
+    assert code == 0 and next(c for c in report["compatibility"] if c["name"] == "d2t range")["ok"]
+    state = load_file(str(draft / "model.safetensors"))
+    state["d2t"] = state["d2t"] + 300
+    save_file(state, str(draft / "model.safetensors"))
+    code, report = inspect_json(str(draft), "--target", str(target))
+    check = next(c for c in report["compatibility"] if c["name"] == "d2t range")
+    assert code == 1 and not check["ok"] and "outside the target vocabulary 0..299" in check["detail"]
+
+
+def test_a_target_given_as_the_draft_is_refused(layouts):
+    code, report = inspect_json(str(layouts["llama-3.1-8b"]), "--target", str(layouts["llama-3.1-8b"]))
+    assert code == 1 and "is itself a target, not a draft" in report["problems"][0]
