@@ -36,7 +36,9 @@ def run(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a recipe field: a.b=value (YAML).")] = None,
     no_resume: Annotated[bool, typer.Option("--no-resume", help="Start over instead of skipping ids already written.")] = False,
 ) -> None:
-    """Generate a completion for every prompt; resumable, one JSONL line per prompt."""
+    """Generate a completion for every prompt; resumable, one JSONL line per prompt.
+    Exit 0: all generated; 1: failed; 2: bad input (recipe, checkpoint, output path, prompts);
+    3: finished with error records; 130: interrupted (rerun to resume)."""
     try:
         parsed = load_recipe(recipe, set_ or ())
     except RecipeError as err:

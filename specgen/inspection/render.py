@@ -46,6 +46,8 @@ def _parts(report: Inspection) -> list:
                  "tensors": f"{layout.get('tensors', 0):,}"}
     if layout.get("quantization"):
         described["quantization"] = layout["quantization"]
+    if layout.get("tokenizer"):
+        described["tokenizer"] = layout["tokenizer"]
     if layout.get("converted from"):
         described["converted from"] = layout["converted from"]
     if layout.get("groups"):

@@ -23,6 +23,7 @@ from specgen.checkpoints.headers import DTYPE_NAMES, TensorHeader, checkpoint_he
 from specgen.checkpoints.loading import load_draft, load_target, target_config
 from specgen.checkpoints.quantized import INT4_PACKED, quantization_of
 from specgen.checkpoints.store import CheckpointError, converted_folder, read_config, weight_files
+from specgen.checkpoints.tokenizer import TOKENIZER_FILES
 from specgen.drafts.base import TargetFit
 from specgen.inspection.identify import Located, Unreadable, draft_method_of, locate
 from specgen.models.materialise import LayoutError
@@ -391,7 +392,9 @@ def _layout(folder: Path, headers: dict[str, TensorHeader], config: dict) -> dic
             described = f"INT4 pack-quantized, groups of {quant.int4_group}"
     except CheckpointError as err:
         described = str(err)
-    return {"files": files, "index": index, "tensors": len(headers), "groups": groups, "quantization": described}
+    tokenizer = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    return {"files": files, "index": index, "tensors": len(headers), "groups": groups, "quantization": described,
+            "tokenizer": ", ".join(tokenizer) or "none (a run without one uses a byte-level stand-in)"}
 
 
 WRAPPERS = ("model", "language_model")     # name parts that hold the interesting one
