@@ -28,16 +28,16 @@ from pathlib import Path
 
 import torch
 
+from specgen.checkpoints.headers import without_gc
 from specgen.checkpoints.loading import (
+    draft_tensor_names,
     has_draft_layers,
     load_draft,
     load_target,
     target_config,
     unread_tensor_groups,
 )
-from specgen.checkpoints.headers import without_gc
 from specgen.checkpoints.store import CheckpointError, cache_root, read_config, resolve_checkpoint
-from specgen.checkpoints.weights import tensor_names
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
                           stats_path, tokenize_with_generation_start, write_json_atomic)
@@ -226,19 +226,11 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     if r.device.type == "cuda" and recipe.runtime.compile is not False:
         parts["CUDA graph pool"] = parts["logits workspace"] + parts["activations"]
     if dcfg is not None:
-        parts["draft weights"] = dcfg.num_parameters(_draft_tensor_names(recipe, r)) * item
+        parts["draft weights"] = dcfg.num_parameters(draft_tensor_names(recipe.draft.method, r.draft_folder, r.draft_config)) * item
         parts["draft KV cache"] = dcfg.cache_bytes_per_token(r.dtype) * b * seq
         if recipe.draft.stochastic:
             parts["draft probabilities"] = 2 * b * k * vocab * 4
     return parts
-
-
-def _draft_tensor_names(recipe: Recipe, r: Resolved) -> frozenset[str]:
-    """The draft checkpoint's tensor names under its method's prefix (headers only; none if dummy)."""
-    if r.draft_folder is None:
-        return frozenset()
-    prefix = DRAFT_METHODS[recipe.draft.method].builder().weight_prefix(r.draft_config)
-    return frozenset(n[len(prefix):] for n in tensor_names(r.draft_folder) if n.startswith(prefix))
 
 
 def available_bytes(device: torch.device) -> int:

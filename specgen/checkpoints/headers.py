@@ -1,17 +1,19 @@
 """What a checkpoint holds, from its file headers alone: never a byte of tensor data.
 
 Contract:
-- `read_header(path)` parses one safetensors header (8-byte little-endian length, then JSON) and
-  checks it against the file: a header that is not JSON, entries without dtype / shape / offsets,
-  offsets that disagree with the shape, and a file shorter (truncated) or longer than the data its
-  header describes are each a `CheckpointError` naming the file and the problem. Only the first
-  8 + header-length bytes are read, so a 600 GB checkpoint inspects in well under a second.
+- `read_header(path)` -> {name: TensorHeader} parses one safetensors header (8-byte little-endian
+  length, then JSON) and checks it against the file: a header that is not JSON, entries without
+  dtype / shape / offsets, offsets that disagree with the shape or leave gaps, and a file shorter
+  (truncated) or longer than the data its header describes are each a `CheckpointError` naming the
+  file and the problem. Only the first 8 + header-length bytes are read, so a 600 GB checkpoint
+  inspects in well under a second.
 - `checkpoint_headers(folder)` does that for every weight file of a folder, through
   `model.safetensors.index.json` when there is one: a shard the index lists but the folder lacks,
   and a tensor the index places in a shard whose header lacks it, are errors too.
-- `TensorHeader` stands in for a tensor (shape, dtype, file) in the loaders' own key conversions
-  (checkpoints/loading.py, `dry=True`): `torch.cat`, `torch.stack`, `split`, `chunk` and casts give
-  headers of the right shape, so the layout a real load would build is checked without tensors.
+- `TensorHeader` stands in for a tensor (shape, dtype, the checkpoint names it came from) in the
+  loaders' own key conversions (checkpoints/loading.py, `dry=True`): `torch.cat`, `torch.stack`,
+  `split`, `chunk` and casts give headers of the right shape, or `ShapeMismatch` naming the
+  tensors, so the layout a real load would build is checked without tensors.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import json
 import math
 import struct
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,13 +62,6 @@ class TensorHeader:
     def ndim(self) -> int:
         return len(self.shape)
 
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel() * self.dtype.itemsize
-
     def is_floating_point(self) -> bool:
         return self.dtype.is_floating_point
 
@@ -80,9 +74,6 @@ class TensorHeader:
 
     def float(self) -> TensorHeader:
         return self._like(self.shape, torch.float32)
-
-    def long(self) -> TensorHeader:
-        return self._like(self.shape, torch.int64)
 
     def contiguous(self) -> TensorHeader:
         return self
@@ -135,17 +126,7 @@ def is_header_state(state: dict | None) -> bool:
     return bool(state) and isinstance(next(iter(state.values())), TensorHeader)
 
 
-@dataclass(frozen=True, slots=True)
-class FileHeader:
-    """One safetensors file: its tensors (as headers), its `__metadata__`, its data region's size."""
-
-    path: Path
-    tensors: dict[str, TensorHeader]
-    metadata: dict[str, str]
-    data_bytes: int
-
-
-def read_header(path: Path) -> FileHeader:
+def read_header(path: Path) -> dict[str, TensorHeader]:
     """One safetensors file's header, checked against the file's size (module docstring)."""
     try:
         size = path.stat().st_size
@@ -167,7 +148,7 @@ def read_header(path: Path) -> FileHeader:
             raise ValueError("not a JSON object")
     except (UnicodeDecodeError, ValueError) as err:
         raise CheckpointError(f"{path}: corrupt header: not valid JSON ({err})") from None
-    metadata = entries.pop("__metadata__", None) or {}
+    entries.pop("__metadata__", None)
     tensors: dict[str, TensorHeader] = {}
     spans: list[tuple[int, int, str]] = []
     dtypes, item_bytes, prod = SAFETENSORS_DTYPES, _ITEM_BYTES, math.prod    # a hot loop: 10^5 entries
@@ -200,7 +181,7 @@ def read_header(path: Path) -> FileHeader:
     if 8 + length + end < size:      # safetensors refuses these too ("file not fully covered")
         raise CheckpointError(f"{path}: corrupt: {size - 8 - length - end:,} bytes past the tensor data "
                               "its header describes")
-    return FileHeader(path, tensors, metadata, end)
+    return tensors
 
 
 _READ: dict[tuple, dict[str, TensorHeader]] = {}      # the last folders read, by their files' stat
@@ -244,7 +225,7 @@ def _read_headers(folder: Path) -> dict[str, TensorHeader]:
     if not index.is_file():
         tensors: dict[str, TensorHeader] = {}
         for path in weight_files(folder):
-            tensors.update(read_header(path).tensors)
+            tensors.update(read_header(path))
         return tensors
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
@@ -261,7 +242,7 @@ def _read_headers(folder: Path) -> dict[str, TensorHeader]:
         if not path.is_file():
             raise CheckpointError(f"{path}: missing: {index.name} places {len(names)} tensors in it "
                                   f"(e.g. {names[0]})")
-        header = read_header(path).tensors
+        header = read_header(path)
         absent = [n for n in names if n not in header]
         if absent:
             raise CheckpointError(f"{path}: {index.name} places {absent[0]} in this file, but its header "

@@ -13,7 +13,7 @@ Contract:
   module on the meta device: every check a real load makes (files, shards, key layout, shapes,
   quantisation scales, the draft's config against its target) runs, and no tensor is read. `run`
   does this before loading anything; `inspect-checkpoint` reports what it finds.
-- `has_draft_layers(method, folder, config)`: whether a checkpoint carries a method's layers (MTP
+- `draft_tensor_names` / `has_draft_layers(method, folder, config)`: a method's tensors in a checkpoint; whether a checkpoint carries a method's layers (MTP
   layers inside a target checkpoint), from the file headers alone; `unread_tensor_groups` names
   what a target leaves unread (Kimi K2.5's vision encoder in a text-only run).
 """
@@ -104,8 +104,13 @@ def unread_tensor_groups(config: dict, folder: Path | None) -> list[str]:
     return sorted({n.split(".", 1)[0] for n in tensor_names(folder) if not reads(n)})
 
 
-def has_draft_layers(method: str, folder: Path | None, config: dict) -> bool:
+def draft_tensor_names(method: str, folder: Path | None, config: dict) -> frozenset[str]:
+    """The names of a method's tensors in a checkpoint, its weight prefix stripped (headers only)."""
     if folder is None:
-        return False
+        return frozenset()
     prefix = DRAFT_METHODS[method].builder().weight_prefix(config)
-    return any(name.startswith(prefix) for name in tensor_names(Path(folder)))
+    return frozenset(n[len(prefix):] for n in tensor_names(Path(folder)) if n.startswith(prefix))
+
+
+def has_draft_layers(method: str, folder: Path | None, config: dict) -> bool:
+    return bool(draft_tensor_names(method, folder, config))

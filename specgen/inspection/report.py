@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specgen.checkpoints.headers import DTYPE_NAMES, TensorHeader, checkpoint_headers, without_gc
-from specgen.checkpoints.loading import load_draft, load_target, target_config
+from specgen.checkpoints.loading import draft_tensor_names, load_draft, load_target, target_config
 from specgen.checkpoints.quantized import INT4_PACKED, quantization_of
 from specgen.checkpoints.store import CheckpointError, converted_folder, read_config, weight_files
 from specgen.checkpoints.tokenizer import TOKENIZER_FILES
@@ -137,15 +137,15 @@ def _headers(folder: Path) -> dict[str, TensorHeader]:
 
 
 def _inspect_target(report: Inspection, config: dict, folder: Path, headers: dict, batch_size: int,
-                    max_seq_len: int) -> _Target | None:
+                    max_seq_len: int) -> None:
     if report.architecture not in TARGET_ARCHITECTURES:
         report.role = "unsupported"
         report.problems.append(f"architecture {report.architecture} is not supported "
                                f"(targets: {', '.join(TARGET_ARCHITECTURES)}; drafts: eagle3, dflash)")
-        return None
+        return
     target = _dry_target(report.problems, config, folder)
     if target is None:
-        return None
+        return
     report.fields = _target_fields(target.cfg)
     pairs_with_mtp = "mtp" in TARGET_ARCHITECTURES[report.architecture].draft_methods
     prefix = DRAFT_METHODS["mtp"].builder().weight_prefix(config) if pairs_with_mtp else None
@@ -155,7 +155,6 @@ def _inspect_target(report: Inspection, config: dict, folder: Path, headers: dic
         if target.model is not None:
             _dry_draft(report.problems, "mtp", config, folder, target, label="MTP layer: ")
     report.memory = _target_memory(target.cfg, batch_size, max_seq_len)
-    return target
 
 
 def _dry_target(problems: list[str], config: dict, folder: Path) -> _Target | None:
@@ -247,7 +246,7 @@ def _inspect_draft(report: Inspection, config: dict, folder: Path, target: str |
         report.problems.append(f"{folder}/config.json: not a usable {method} config: {err!r}")
         return
     report.fields = _draft_fields(dcfg)
-    names = frozenset(n[len(builder.weight_prefix(config)):] for n in checkpoint_headers(folder))
+    names = draft_tensor_names(method, folder, config)
     report.memory = {"dtype": "bfloat16", "weights_bytes": dcfg.num_parameters(names) * RUN_DTYPE.itemsize,
                      "kv_cache_bytes_per_token": dcfg.cache_bytes_per_token(RUN_DTYPE),
                      "batch_size": batch_size, "max_seq_len": max_seq_len,
