@@ -59,9 +59,8 @@ def run(
         task = bar.add_task("generating", total=total, rate="-", accept="-")
 
     def on_progress(p) -> None:
-        mal = p.totals.mean_acceptance_length
         bar.update(task, completed=p.finished, rate=f"{p.tokens_per_second:,.1f} tok/s",
-                   accept=f"accept len {mal:.2f}" if mal is not None else "no draft")
+                   accept=_acceptance_field(p.totals))
 
     def on_status(line: str) -> None:
         bar.console.print(line, highlight=False)
@@ -186,6 +185,8 @@ def bench(
     max_tokens: Annotated[int, typer.Option(min=1, help="Max new tokens per prompt (greedy, to EOS).")] = 128,
     baselines: Annotated[str, typer.Option(help="Comma-separated: ar (no draft), hf (transformers generate).")] = "ar,hf",
     repeats: Annotated[int, typer.Option(min=1, help="Timed runs per configuration (median).")] = 2,
+    ks: Annotated[str, typer.Option(help="Comma-separated K settings to run each recipe with beside its own, "
+                                         "e.g. 1,2,3,auto (auto: chosen per step).")] = "",
     output: Annotated[Path | None, typer.Option(help="JSON report (default: outputs/bench-<recipe>.json).")] = None,
     plot: Annotated[Path | None, typer.Option(help="PNG (default: next to the JSON report).")] = None,
     all_drafts: Annotated[bool, typer.Option("--all-drafts", help="Add every recipe beside the first that "
@@ -203,6 +204,13 @@ def bench(
     except ValueError:
         console.print(f"[red]--batch-sizes: expected comma-separated integers >= 1, got {batch_sizes!r}[/red]")
         raise typer.Exit(2) from None
+    try:
+        extra_ks = tuple("auto" if k.strip() == "auto" else int(k) for k in ks.split(",") if k.strip())
+        if any(k != "auto" and not 1 <= k <= 32 for k in extra_ks):
+            raise ValueError
+    except ValueError:
+        console.print(f"[red]--ks: expected comma-separated integers in 1..32 or auto, got {ks!r}[/red]")
+        raise typer.Exit(2) from None
     chosen = tuple(b for b in baselines.split(",") if b)
     if set(chosen) - {"ar", "hf"}:
         console.print(f"[red]--baselines: expected ar and/or hf, got {baselines!r}[/red]")
@@ -218,7 +226,7 @@ def bench(
     from specgen.bench.measure import BenchError, BenchOptions, run_bench
     from specgen.bench.report import table, write_json, write_png
 
-    options = BenchOptions(prompts, limit, sizes, max_tokens, chosen, repeats)
+    options = BenchOptions(prompts, limit, sizes, max_tokens, chosen, repeats, extra_ks)
     out = output or Path("outputs") / f"bench-{paths[0].stem}.json"
     png = plot or out.with_suffix(".png")
     try:
@@ -265,6 +273,22 @@ def _progress_bar() -> Progress:
                     TimeElapsedColumn(), console=console, transient=False)
 
 
+def _acceptance_field(totals) -> str:
+    """The progress bar's acceptance: length, and the mean k drafted per step when k adapts."""
+    steps = sum(totals.k_histogram)
+    mean_k = sum(k * n for k, n in enumerate(totals.k_histogram)) / steps if steps else None
+    mal = totals.mean_acceptance_length
+    if mal is None:
+        return "plain steps (k = 0)" if steps else "no draft"
+    text = f"accept len {mal:.2f}"
+    return text + f", mean k {mean_k:.1f}" if mean_k is not None else text
+
+
+def _k_shares(histogram: list[int]) -> str:
+    steps = sum(histogram)
+    return ", ".join(f"k={k} {n / steps:.0%}" for k, n in enumerate(histogram) if n) if steps else ""
+
+
 def _print_summary(summary) -> None:
     s = summary.stats
     if summary.skipped:
@@ -283,6 +307,8 @@ def _print_summary(summary) -> None:
                  f"draft acceptance rate {spec['draft_acceptance_rate']:.1%}")
         if spec["num_relaxed_accepted_tokens"]:
             line += f" ({spec['num_relaxed_accepted_tokens']} tokens accepted only by relaxed acceptance: lossy)"
+    if s["speculation"].get("policy") == "auto" and spec.get("k_histogram"):
+        line += f"; steps by k: {_k_shares(spec['k_histogram'])}"
     console.print(line, highlight=False)
     console.print(f"results: {summary.output}\nstats:   {summary.stats_file}", highlight=False, soft_wrap=True)
 

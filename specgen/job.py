@@ -41,8 +41,9 @@ from specgen.checkpoints.store import CheckpointError, cache_root, read_config, 
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
                           stats_path, tokenize_with_generation_start, write_json_atomic)
-from specgen.machine import choose_threads
+from specgen.machine import choose_threads, cpu_has_bf16
 from specgen.pipelines.compiled import freezes, use_compile_cache
+from specgen.pipelines.policy import FIRST_PROBE_INTERVAL, AdaptivePolicy, per_position_prior
 from specgen.pipelines.reasoning import THINK_END, THINK_START, ReasoningMarkers
 from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
@@ -104,7 +105,7 @@ def resolve(recipe: Recipe) -> Resolved:
     device = resolve_device(recipe.runtime.device)
     dtype_name = recipe.target.dtype
     if dtype_name == "auto":
-        dtype_name = "bfloat16" if device.type == "cuda" else "float32"
+        dtype_name = auto_dtype(device)
     dummy = recipe.target.load_format == "dummy"
     try:
         folder = resolve_checkpoint(recipe.target.model, needs_weights=not dummy)
@@ -124,6 +125,15 @@ def resolve(recipe: Recipe) -> Resolved:
     return resolved
 
 
+def auto_dtype(device: torch.device) -> str:
+    """`target.dtype: auto`: bfloat16 on CUDA and on CPUs that multiply it natively (AMX, AVX512-BF16:
+    vLLM's CPU backend chooses the same), float32 elsewhere, where bf16 GEMMs convert every weight
+    and run slower. Lossless always means against plain decoding in the same dtype."""
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16()):
+        return "bfloat16"
+    return "float32"
+
+
 def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
     """Load the target and the draft dry (headers only, modules on the meta device): every check a
     real load makes, in seconds, before anything is read. Problems are an `InputError`."""
@@ -134,7 +144,7 @@ def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
                                  dummy=dummy, dry=not dummy)
             if recipe.draft.enabled and r.draft_config is not None and recipe.draft.load_format != "dummy":
                 load_draft(recipe.draft.method, r.draft_config, r.draft_folder, target,
-                           num_speculative_tokens=recipe.draft.num_speculative_tokens, dtype=r.dtype,
+                           num_speculative_tokens=recipe.draft.k_max, dtype=r.dtype,
                            device="meta", dummy=r.draft_folder is None, dry=r.draft_folder is not None)
     except (CheckpointError, ValueError) as err:
         raise InputError(str(err)) from err
@@ -204,7 +214,7 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     if recipe.draft.enabled:
         dcfg = draft_config(recipe, r, cfg)
         # A DFlash draft without an explicit K drafts a whole block.
-        k = recipe.draft.num_speculative_tokens or getattr(dcfg, "block_size", 2) - 1
+        k = recipe.draft.k_max or getattr(dcfg, "block_size", 2) - 1
     seq = recipe.runtime.max_seq_len + 2 * k + 2
     rows, vocab, hidden = b * (k + 1), cfg.vocab_size, cfg.hidden_size
     s = recipe.sampling
@@ -292,11 +302,12 @@ def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | N
 
 
 def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int | None = None,
-                 target=None, tokenizer=None):
+                 target=None, tokenizer=None, expected_tokens: int | None = None):
     """Load the models and bind them into a Runner; returns (runner, tokenizer, notes).
 
     `runner.header` is one line saying what runs where: device, dtype, threads, compile, batch, draft.
-    `expected_steps` (decode steps the job will take, roughly) lets `runtime.compile: auto` decide.
+    `expected_steps` (decode steps the job will take, roughly) lets `runtime.compile: auto` decide;
+    `expected_tokens` (output tokens it may produce) tells an adaptive K what compiling can repay.
     `target` / `tokenizer`: already loaded ones to share (several runners over one target: bench)."""
     notes: list[str] = []
     threads, why_threads = choose_threads(recipe.runtime.threads)
@@ -320,7 +331,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
         builder = DRAFT_METHODS[recipe.draft.method].builder()
         dummy = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
         draft = load_draft(recipe.draft.method, r.draft_config or builder.dummy_config(target.shape),
-                           r.draft_folder, target, num_speculative_tokens=recipe.draft.num_speculative_tokens,
+                           r.draft_folder, target, num_speculative_tokens=recipe.draft.k_max,
                            dtype=r.dtype, device=r.device, dummy=dummy)
         if _draft_inside_a_dummy_target(recipe):
             notes.append(f"the target is dummy, so its {recipe.draft.method} layer is random too")
@@ -354,17 +365,51 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     compile, why_compile = decide_compile(recipe, r.device, expected_steps, b * (step.k + 1))
     if compile:
         use_compile_cache(cache_root() / "compiled")
+    policy = None
+    if draft is not None and recipe.draft.adaptive:
+        dummy_draft = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
+        policy = AdaptivePolicy(step.k, acceptance_prior(r.draft_folder, step.k, dummy_draft),
+                                horizon_tokens=expected_tokens,
+                                max_interval=max(FIRST_PROBE_INTERVAL, step.max_window - step.k - 1))
     runner = Runner(step, batch_size=b, max_seq_len=recipe.runtime.max_seq_len, rules=rules,
                     sampling=sampling, seed=seed, device=r.device, dtype=r.dtype, compile=compile,
-                    reasoning=markers)
-    draft_part = (f"draft {recipe.draft.method} K={step.k}" if draft is not None else "no draft")
+                    reasoning=markers, policy=policy)
+    k_part = f"K=auto (0..{step.k})" if policy is not None else f"K={step.k}"
+    draft_part = (f"draft {recipe.draft.method} {k_part}" if draft is not None else "no draft")
     if relaxed is not None:
         draft_part += ", relaxed acceptance in reasoning (lossy)"
     device = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu"
-    runner.header = (f"{device}, {str(r.dtype).removeprefix('torch.')}, "
+    dtype = str(r.dtype).removeprefix("torch.")
+    if recipe.target.dtype == "auto" and r.device.type == "cpu":
+        dtype += " (auto: the CPU multiplies bf16 natively)" if dtype == "bfloat16" else \
+            " (auto: no native bf16 on this CPU)"
+    runner.header = (f"{device}, {dtype}, "
                      f"{threads} thread{'s' * (threads != 1)} ({why_threads}), "
                      f"compile {'on' if compile else 'off'} ({why_compile}), batch {b}, {draft_part}")
     return runner, tokenizer, notes
+
+
+# The acceptance an adaptive K starts from when a draft has no card (a neutral guess the first
+# measured blocks replace), and for random-init drafts (which accept almost nothing).
+UNKNOWN_DRAFT_ACCEPTANCE = 0.5
+RANDOM_DRAFT_ACCEPTANCE = 0.02
+
+
+def acceptance_prior(draft_folder: Path | None, k_max: int, dummy: bool) -> list[float]:
+    """Per-position acceptance to start from: the draft card's held-out figures (`training.json`,
+    mean acceptance length at each K, written by `specgen train-draft`), else a neutral guess."""
+    if dummy:
+        return [RANDOM_DRAFT_ACCEPTANCE] * k_max
+    card = draft_folder / "training.json" if draft_folder is not None else None
+    lengths: dict[int, float] = {}
+    if card is not None and card.is_file():
+        try:
+            for row in json.loads(card.read_text()).get("acceptance") or []:
+                if row.get("k") and row.get("mean_acceptance_length"):
+                    lengths[int(row["k"])] = float(row["mean_acceptance_length"])
+        except (ValueError, TypeError, AttributeError, OSError):
+            lengths = {}
+    return per_position_prior(lengths) or [UNKNOWN_DRAFT_ACCEPTANCE] * k_max
 
 
 def reasoning_markers(recipe: Recipe, tokenizer) -> ReasoningMarkers | None:
@@ -393,10 +438,14 @@ def attention_kernel_for(device: torch.device) -> tuple[bool, int]:
     return True, torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def expected_tokens(records: list[PromptRecord], recipe: Recipe) -> int:
+    """Output tokens a job produces at most (every prompt to its max_tokens)."""
+    return sum(r.max_tokens or recipe.sampling.max_tokens for r in records if not r.error)
+
+
 def expected_steps(records: list[PromptRecord], recipe: Recipe) -> int:
     """Decode steps a job takes at most (every prompt to its max_tokens, one token per step)."""
-    tokens = sum(r.max_tokens or recipe.sampling.max_tokens for r in records if not r.error)
-    return -(-tokens // recipe.runtime.batch_size)
+    return -(-expected_tokens(records, recipe) // recipe.runtime.batch_size)
 
 
 def _requests(records: list[PromptRecord], tokenizer, recipe: Recipe) -> Iterator[Request]:
@@ -446,7 +495,8 @@ def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = 
         todo = [rec for rec in records if rec.id not in writer.done_ids]
         skipped = len(records) - len(todo)
         try:
-            runner, tokenizer, notes = build_runner(recipe, r, seed, expected_steps=expected_steps(todo, recipe))
+            runner, tokenizer, notes = build_runner(recipe, r, seed, expected_steps=expected_steps(todo, recipe),
+                                                    expected_tokens=expected_tokens(todo, recipe))
         except CheckpointError as err:     # the tokenizer, or weights that changed since the check
             raise InputError(str(err)) from err
         if recipe.chat_template and tokenizer.chat_template is None:
@@ -516,7 +566,7 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "prompt_tokens": every["prompt_tokens"],
         "this_run": {"requests": totals.requests, "errors": totals.errors, "output_tokens": totals.output_tokens,
                      "resumed_past": skipped},
-        # acceptance records written with another K (a recipe changed between runs) are left out of `spec`
+        # records written with another K (a recipe changed between runs); `spec` adds them in
         "spec_records_of_another_k": every["records_of_another_k"],
         "steps": totals.steps,
         "prefill_calls": totals.prefill_calls,
@@ -529,6 +579,8 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "threads": torch.get_num_threads(),
         "header": runner.header,
         "spec": every["spec"].to_dict(),
+        # how this run chose k: steps per k (0 = plain), and the adaptive policy's estimates
+        "speculation": {"k_steps": totals.k_steps, **runner.policy.summary()},
         "seed": seed,
         "recipe": recipe.to_dict(),
         "notes": notes,
@@ -560,10 +612,10 @@ def output_totals(path: Path, k: int) -> dict:
                 counters = SpecCounters.from_dict(spec)
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue       # a torn last line of a killed run (cut on resume), or a foreign line
-            if counters.num_speculative_tokens == k:
-                out["spec"].merge(counters)
-            else:              # written by a run with another K (the same output, a changed recipe)
-                out["records_of_another_k"] += 1
+            # a record written with another K (a changed recipe) adds in: per-position counts say
+            # how many drafts reached each position
+            out["records_of_another_k"] += counters.num_speculative_tokens != k
+            out["spec"].merge(counters)
     return out
 
 

@@ -40,6 +40,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+# `num_speculative_tokens: auto` chooses k per step in 0..max_speculative_tokens; this is its default
+# for chained drafts (EAGLE-3, MTP). A DFlash draft's own block_size - 1 is its default.
+DEFAULT_MAX_SPECULATIVE_TOKENS = 4
 MAX_NUM_SPECULATIVE_TOKENS = 32
 
 
@@ -63,7 +66,7 @@ def _format(path: str, problem: str) -> str:
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
     model: str
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA (decided by the loader)
+    dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16, else float32 (job.auto_dtype)
     load_format: str = "auto"  # dummy = random weights from config.json alone
     # config.json fields replaced before anything is built (vLLM's hf_overrides; nested dicts merge):
     # e.g. {num_hidden_layers: 5} times the real DeepSeek-V3 layer shapes on one GPU with dummy weights
@@ -75,12 +78,26 @@ class DraftSpec:
     method: str = "none"
     model: str | None = None  # ignored when method is "none"
     load_format: str = "auto"  # dummy = deterministic random-init draft (demo only)
-    num_speculative_tokens: int | None = None  # filled with 3 when a draft is used and none is given
+    # K: an integer pins it; "auto" lets the runner choose k in 0..max_speculative_tokens per step
+    # (pipelines/policy.py). Filled with 3 when a draft is used and none is given.
+    num_speculative_tokens: int | str | None = None
     stochastic: bool = False  # sample drafts from q and use full rejection sampling
+    max_speculative_tokens: int | None = None  # auto only: the largest k (None: the method's default)
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def adaptive(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def k_max(self) -> int | None:
+        """The most tokens one step drafts (None: the draft decides, DFlash's block_size - 1)."""
+        if self.adaptive:
+            return self.max_speculative_tokens
+        return self.num_speculative_tokens  # type: ignore[return-value]
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,6 +321,19 @@ def _auto_or(parse: Callable[[object], Any]) -> Callable[[object], Any]:
     return lambda value: None if value is None or value == "auto" else parse(value)
 
 
+def _auto_kept(parse: Callable[[object], Any]) -> Callable[[object], Any]:
+    """`auto` stays "auto" (null -> None), anything else through `parse`."""
+
+    def parse_or_auto(value: object) -> Any:
+        if value is None or value == "auto":
+            return value
+        if isinstance(value, str):
+            raise _Bad(f"expected an integer or auto, got {_show(value)}")
+        return parse(value)
+
+    return parse_or_auto
+
+
 def _switch(value: object) -> bool:
     if not isinstance(value, bool):
         raise _Bad(f"expected true, false or auto, got {_show(value)}")
@@ -400,7 +430,7 @@ _TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_tem
         "chat_template_kwargs", "reasoning", "train")
 _TRAIN = tuple(TrainSpec.__dataclass_fields__)
 _TARGET = ("model", "dtype", "load_format", "hf_overrides")
-_DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic")
+_DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic", "max_speculative_tokens")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos",
              "relaxed_acceptance")
 _RELAXED = ("top_k", "delta")
@@ -430,12 +460,15 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
     method = check.get(d, "draft.method", _choice(DRAFT_METHODS), "none")
     draft_model = check.get(d, "draft.model", _optional(_string), None)
     draft_format = check.get(d, "draft.load_format", _choice(LOAD_FORMATS), "auto")
-    k = check.get(
-        d, "draft.num_speculative_tokens", _optional(_integer(1, MAX_NUM_SPECULATIVE_TOKENS)), None
-    )
+    k = check.get(d, "draft.num_speculative_tokens", _auto_kept(_integer(1, MAX_NUM_SPECULATIVE_TOKENS)), None)
+    k_max = check.get(d, "draft.max_speculative_tokens", _optional(_integer(1, MAX_NUM_SPECULATIVE_TOKENS)), None)
+    if k_max is not None and k != "auto":
+        check.problems.append(("draft.max_speculative_tokens", "only applies to num_speculative_tokens: auto"))
     if method != "none":
         if k is None and method not in K_FROM_DRAFT:
             k = DEFAULT_NUM_SPECULATIVE_TOKENS
+        if k == "auto" and k_max is None and method not in K_FROM_DRAFT:
+            k_max = DEFAULT_MAX_SPECULATIVE_TOKENS
         # A dummy draft is built from the target's shape alone, so only a real one needs a checkpoint.
         needs_model = draft_format != "dummy" and method not in DRAFT_IN_TARGET
         if draft_model is None and needs_model and "draft.model" not in dict(check.problems):
@@ -446,6 +479,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         load_format=draft_format,
         num_speculative_tokens=k,
         stochastic=check.get(d, "draft.stochastic", _boolean, False),
+        max_speculative_tokens=k_max,
     )
 
     s = check.section(data, "sampling", _SAMPLING)

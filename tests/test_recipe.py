@@ -95,7 +95,7 @@ def test_int_accepted_as_float():
     [
         (
             with_section("draft", modle="x"),
-            "recipe.draft.modle: unknown key (known: method, model, load_format, num_speculative_tokens, stochastic)",
+            "recipe.draft.modle: unknown key (known: method, model, load_format, num_speculative_tokens, stochastic, max_speculative_tokens)",
         ),
         (
             {**MINIMAL, "sampler": {}},
@@ -127,6 +127,18 @@ def test_int_accepted_as_float():
         (
             with_section("draft", method="eagle3"),
             "recipe.draft.model: required when method is eagle3 (or set load_format: dummy)",
+        ),
+        (
+            with_section("draft", method="eagle3", model="d", num_speculative_tokens="fast"),
+            "recipe.draft.num_speculative_tokens: expected an integer or auto, got 'fast'",
+        ),
+        (
+            with_section("draft", method="eagle3", model="d", num_speculative_tokens=2, max_speculative_tokens=4),
+            "recipe.draft.max_speculative_tokens: only applies to num_speculative_tokens: auto",
+        ),
+        (
+            with_section("draft", method="eagle3", model="d", num_speculative_tokens="auto", max_speculative_tokens=0),
+            "recipe.draft.max_speculative_tokens: must be >= 1",
         ),
         (
             {"target": {"model": "m", "dtype": "fp8"}},
@@ -319,3 +331,18 @@ def test_reasoning_field_errors(data, expected):
     with pytest.raises(RecipeError) as err:
         recipe_from_dict(data)
     assert str(err.value) == expected
+
+
+def test_auto_k_and_its_maximum():
+    auto = recipe_from_dict({"target": {"model": "m"}, "draft": {"method": "eagle3", "model": "d",
+                                                                "num_speculative_tokens": "auto"}})
+    assert auto.draft.adaptive and auto.draft.k_max == 4            # chained drafts: 4 by default
+    capped = recipe_from_dict({"target": {"model": "m"}, "draft": {
+        "method": "mtp", "num_speculative_tokens": "auto", "max_speculative_tokens": 2}})
+    assert capped.draft.k_max == 2 and recipe_from_dict(capped.to_dict()) == capped
+    dflash = recipe_from_dict({"target": {"model": "m"}, "draft": {"method": "dflash", "model": "d",
+                                                                  "num_speculative_tokens": "auto"}})
+    assert dflash.draft.adaptive and dflash.draft.k_max is None     # the draft's block_size - 1
+    pinned = recipe_from_dict({"target": {"model": "m"}, "draft": {"method": "eagle3", "model": "d",
+                                                                  "num_speculative_tokens": 2}})
+    assert not pinned.draft.adaptive and pinned.draft.k_max == 2

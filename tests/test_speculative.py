@@ -102,7 +102,8 @@ class OracleDraft(torch.nn.Module):
     def new_cache(self, slots, max_len, dtype, device):
         return ReferenceCache(torch.zeros(slots, max_len + 64, dtype=torch.long))
 
-    def propose(self, aux, next_tokens, positions, last_index, cache, attn, pick):
+    def propose(self, aux, next_tokens, positions, last_index, cache, attn, pick, k=None):
+        k = self.num_speculative_tokens if k is None else k
         references = cache.table
         if attn.rows is not None:  # prefill: next_tokens = prompt[1:] + first token; find references
             for r, slot in enumerate(attn.rows.tolist()):
@@ -111,10 +112,13 @@ class OracleDraft(torch.nn.Module):
                 references[slot, : len(sequence)] = torch.tensor(sequence)
         rows = attn.cache_rows(next_tokens.shape[0], next_tokens.device)
         start = positions[torch.arange(len(rows)), last_index] + 2      # position of the first draft
-        where = start.unsqueeze(1) + torch.arange(self.num_speculative_tokens)
+        where = start.unsqueeze(1) + torch.arange(k)
         tokens = references[rows.unsqueeze(1), where]
-        wrong = ((where % 13) == 0) | ((where % 13) == 2) | ((where % 13) == 3)
-        return torch.where(wrong, (tokens + 1) % self.vocab, tokens), None
+        return torch.where(self.wrong(where), (tokens + 1) % self.vocab, tokens), None
+
+    @staticmethod
+    def wrong(where: torch.Tensor) -> torch.Tensor:
+        return ((where % 13) == 0) | ((where % 13) == 2) | ((where % 13) == 3)
 
 
 def oracle_for(prompt_ids, plain_results, k):

@@ -2,13 +2,15 @@
 
 A draft is an `nn.Module` with:
 - `aux_layer_ids: tuple[int, ...]`: target layer OUTPUTS it reads (DESIGN.md section 5);
-- `num_speculative_tokens: int` (K);
+- `num_speculative_tokens: int`: the most tokens it proposes in one call (K_max);
 - `new_cache(slots, max_len, dtype, device)`: its own static state (a `Cache`), or None;
-- `propose(aux, next_tokens, positions, last_index, cache, attn, pick)`: from the target features
-  of the T new positions of every row (`attn` is the target forward's `AttentionBatch`: its rows
-  and key bound), propose K tokens per row. `pick` turns draft logits over the TARGET vocabulary
-  into tokens (argmax, or a keyed sample plus its probabilities), so drafts never know about
-  sampling settings.
+- `propose(aux, next_tokens, positions, last_index, cache, attn, pick, k)`: from the target features
+  of T entries of every row (entry j: the feature of position p_j and the token at p_j + 1; `attn`
+  binds the rows, positions and key bound), absorb the entries into its cache, then propose k tokens
+  per row continuing after entry `last_index`. k = 0 absorbs only (a prefill, or a catch-up on the
+  positions that plain steps skipped); k is static (one compiled variant per k). `pick` turns draft
+  logits over the TARGET vocabulary into tokens (argmax, or a keyed sample plus its probabilities),
+  so drafts never know about sampling settings.
 
 Tokens and probabilities always use the target's vocabulary: a draft with a reduced vocabulary maps
 its ids before returning. Nothing in `propose` may synchronise with the host. A draft reaches its
@@ -38,8 +40,8 @@ class Draft(Protocol):
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device): ...
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                last_index: torch.Tensor, cache, attn: AttentionBatch,
-                pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+                last_index: torch.Tensor, cache, attn: AttentionBatch, pick: Pick,
+                k: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 def _at_the_root(config: dict) -> str:

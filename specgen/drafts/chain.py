@@ -13,8 +13,9 @@ Contract. A chained draft provides:
 Draft training (training/unroll.py) runs the same `pass_with` with its own key memory.
 
 `chain_propose` runs the first pass over all T new entries and reads row `last_index` (the last
-committed position), then K - 1 single-token passes, each feeding back the previous pre-norm output as
-the feature and the drafted token as the token. Draft-cache entries sit at absolute positions, aligned
+committed position), then k - 1 single-token passes, each feeding back the previous pre-norm output as
+the feature and the drafted token as the token. k = 0 runs the first pass alone: the draft absorbs
+the entries into its cache and proposes nothing (a prefill, or a catch-up after plain steps). Draft-cache entries sit at absolute positions, aligned
 with the target's, so rejected entries are scratch past the committed length (DESIGN.md section 3).
 """
 
@@ -27,11 +28,13 @@ from specgen.models.attention import AttentionBatch
 
 
 def chain_propose(draft, feature: torch.Tensor, next_tokens: torch.Tensor, last_index: torch.Tensor,
-                  cache, attn: AttentionBatch, pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  cache, attn: AttentionBatch, pick: Pick, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     # feature: [B, T, H]; next_tokens (token at p + 1): [B, T]; last_index: [B]; attn.positions (p): [B, T]
-    # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-    batch, k = feature.shape[0], draft.num_speculative_tokens
+    # returns tokens [B, k] and their probabilities [B, k, V] (None for argmax drafts)
+    batch = feature.shape[0]
     hidden = draft._pass(feature, next_tokens, cache, attn)
+    if k == 0:
+        return next_tokens[:, :0], None
     rows = torch.arange(batch, device=feature.device)
     hidden = hidden[rows, last_index].unsqueeze(1)           # [B, 1, H]
     position = attn.positions[rows, last_index] + 1           # feature position of the next pass

@@ -186,20 +186,19 @@ class DFlashAttention(nn.Module):
         # ctx: [B, T, H] fused features -> their keys (k_norm, RoPE) and values [B, T, Hkv, D]
         q_rows = self.heads * self.head_dim
         bias = self.qkv_proj.bias[q_rows:] if self.qkv_proj.bias is not None else None
-        k, v = F.linear(ctx, self.qkv_proj.weight[q_rows:], bias).chunk(2, dim=-1)
-        k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)), cos, sin)
-        return k, self._heads(v, self.kv_heads)
+        # heads first, then the split (a view of a split slice specialises a dynamic length on 1)
+        k, v = self._heads(F.linear(ctx, self.qkv_proj.weight[q_rows:], bias), 2 * self.kv_heads).chunk(2, dim=2)
+        return apply_rope(self.k_norm(k), cos, sin), v
 
     def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
         # x: [B, L, H] normed block; context_k, context_v: [B, Hkv, kv_len, D];
         # mask: [B, 1, L, kv_len + L] -> [B, L, H]
         batch, length, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim],
-            dim=-1)
-        q = apply_rope(self.q_norm(self._heads(q, self.heads)), cos, sin).transpose(1, 2)
-        k = apply_rope(self.k_norm(self._heads(k, self.kv_heads)), cos, sin).transpose(1, 2)
-        v = self._heads(v, self.kv_heads).transpose(1, 2)
+        q, k, v = self._heads(self.qkv_proj(x), self.heads + 2 * self.kv_heads).split(
+            [self.heads, self.kv_heads, self.kv_heads], dim=2)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
         keys = torch.cat((context_k.to(k.dtype), k), dim=2)
         values = torch.cat((context_v.to(v.dtype), v), dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
@@ -266,19 +265,24 @@ class DFlashDraft(nn.Module):
         return KVCache(c.num_layers, slots, c.num_kv_heads, max_len, c.head_dim, dtype, device)
 
     def block_logits(self, aux, next_tokens, positions, last_index, cache: KVCache,
-                     attn: AttentionBatch) -> tuple[torch.Tensor, torch.Tensor]:
+                     attn: AttentionBatch, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         # aux: [B, T, n * H]; next_tokens, positions: [B, T]; last_index: [B]
-        # returns logits [B, K, V] (float32) of block indices 1..K and their positions [B, K]
+        # returns logits [B, k, V] (float32) of block indices 1..k and their positions [B, k];
+        # k = 0 only writes the context K/V of the T entries (the block is never run)
+        k = self.num_speculative_tokens if k is None else k
         batch = aux.shape[0]
-        length = self.num_speculative_tokens + 1
         rows = torch.arange(batch, device=aux.device)
         cache_rows = attn.cache_rows(batch, aux.device)
+        ctx = self.context(aux)                                                 # [B, T, H]
+        cos_c, sin_c = rope_cos_sin(positions, self.inv_freq, ctx.dtype)
+        if k == 0:
+            for i, layer in enumerate(self.layers):
+                cache.write(i, cache_rows, positions, *layer.self_attn.context_kv(ctx, cos_c, sin_c))
+            return ctx.new_zeros(batch, 0, self._target[0].vocab_size), positions[:, :0]
         anchor = next_tokens[rows, last_index]                                  # [B]
         anchor_pos = positions[rows, last_index] + 1                            # [B]
-        block_pos = anchor_pos.unsqueeze(1) + torch.arange(length, device=aux.device)
-        x = self.embed_block(anchor.unsqueeze(1))                                # [B, L, H]
-        ctx = self.context(aux)                                                 # [B, T, H]
-        cos_c, sin_c = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        block_pos = anchor_pos.unsqueeze(1) + torch.arange(k + 1, device=aux.device)
+        x = self.embed_block(anchor.unsqueeze(1), k)                            # [B, k + 1, H]
         cos_b, sin_b = rope_cos_sin(block_pos, self.inv_freq, x.dtype)
         layer_masks = block_masks(self.config, block_pos, attn.key_index)
         kv_len = attn.key_index.shape[0]
@@ -295,9 +299,10 @@ class DFlashDraft(nn.Module):
         # aux: [B, T, n * H] target features -> the fused context [B, T, H]
         return self.hidden_norm(self.fc(aux))
 
-    def embed_block(self, anchors: torch.Tensor) -> torch.Tensor:
-        # anchors: [B, 1] -> embedded blocks [anchor, MASK x K]: [B, K + 1, H]
-        masks = anchors.new_full((anchors.shape[0], self.num_speculative_tokens), self.mask_token_id)
+    def embed_block(self, anchors: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        # anchors: [B, 1] -> embedded blocks [anchor, MASK x k]: [B, k + 1, H] (k: num_speculative_tokens)
+        k = self.num_speculative_tokens if k is None else k
+        masks = anchors.new_full((anchors.shape[0], k), self.mask_token_id)
         return self._target[0].embed(torch.cat((anchors, masks), 1))
 
     def block_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,12 +310,16 @@ class DFlashDraft(nn.Module):
         return self._target[0].head(self.norm(hidden))
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                last_index: torch.Tensor, cache: KVCache, attn: AttentionBatch,
-                pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-        logits, where = self.block_logits(aux, next_tokens, positions, last_index, cache, attn)
+                last_index: torch.Tensor, cache: KVCache, attn: AttentionBatch, pick: Pick,
+                k: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # returns tokens [B, k] and their probabilities [B, k, V] (None for argmax drafts); k defaults
+        # to num_speculative_tokens, and k = 0 only absorbs the entries (their context K/V)
+        k = self.num_speculative_tokens if k is None else k
+        logits, where = self.block_logits(aux, next_tokens, positions, last_index, cache, attn, k)
+        if k == 0:
+            return next_tokens[:, :0], None
         tokens, probs = [], []
-        for i in range(self.num_speculative_tokens):
+        for i in range(k):
             token, prob = pick(logits[:, i], where[:, i])
             tokens.append(token)
             probs.append(prob)

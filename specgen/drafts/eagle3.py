@@ -212,11 +212,13 @@ class Eagle3Draft(nn.Module):
         return self.target_logits(self.draft_logits(hidden))
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                last_index: torch.Tensor, cache: KVCache, attn: AttentionBatch,
-                pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_index: torch.Tensor, cache, attn: AttentionBatch, pick: Pick,
+                k: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         # aux: [B, T, 3 * H_target]; next_tokens (token at p + 1), positions (p): [B, T]; last_index: [B]
-        # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-        return chain_propose(self, self.first_feature(aux), next_tokens, last_index, cache, attn, pick)
+        # returns tokens [B, k] and their probabilities [B, k, V] (None for argmax drafts); k defaults
+        # to num_speculative_tokens
+        k = self.num_speculative_tokens if k is None else k
+        return chain_propose(self, self.first_feature(aux), next_tokens, last_index, cache, attn, pick, k)
 
 
 def convert_eagle3_state_dict(state: dict[str, torch.Tensor], cfg: Eagle3Config,

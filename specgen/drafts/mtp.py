@@ -262,11 +262,13 @@ class MtpDraft(nn.Module):
     _logits = draft_logits
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
-                last_index: torch.Tensor, cache, attn: AttentionBatch,
-                pick: Pick) -> tuple[torch.Tensor, torch.Tensor | None]:
+                last_index: torch.Tensor, cache, attn: AttentionBatch, pick: Pick,
+                k: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         # aux: [B, T, H] the target's last layer output (pre final norm); next_tokens, positions: [B, T]
-        # returns tokens [B, K] and their probabilities [B, K, V] (None for argmax drafts)
-        return chain_propose(self, self.first_feature(aux), next_tokens, last_index, cache, attn, pick)
+        # returns tokens [B, k] and their probabilities [B, k, V] (None for argmax drafts); k defaults
+        # to num_speculative_tokens
+        k = self.num_speculative_tokens if k is None else k
+        return chain_propose(self, self.first_feature(aux), next_tokens, last_index, cache, attn, pick, k)
 
 
 # ----------------------------------------------------------------------------------------- loading

@@ -55,10 +55,14 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     keys, values = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
     if rows is not None:
         keys, values = keys[rows], values[rows]
-    packed = q.view(B, T, kv_heads, group, D).permute(0, 2, 1, 3, 4).reshape(B, kv_heads, T * group, D)
+    # Always a copy (clone, then view): `reshape` copies or not depending on whether T is 1, which
+    # would make the compiled step specialise on T (it serves every T: pipelines/compiled.py).
+    packed = (q.view(B, T, kv_heads, group, D).permute(0, 2, 1, 3, 4)
+              .clone(memory_format=torch.contiguous_format).view(B, kv_heads, T * group, D))
     out = F.scaled_dot_product_attention(packed, keys.to(q.dtype), values.to(q.dtype), scale=scale,
                                          attn_mask=mask.repeat_interleave(group, dim=2))
-    return out.view(B, kv_heads, T, group, D).permute(0, 2, 1, 3, 4).reshape(B, T, Hq, D)
+    return (out.view(B, kv_heads, T, group, D).permute(0, 2, 1, 3, 4)
+            .clone(memory_format=torch.contiguous_format).view(B, T, Hq, D))
 
 
 # ---------------------------------------------------------------------------------------------------

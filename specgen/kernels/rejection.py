@@ -75,7 +75,12 @@ def _accepted_prefix(strict: torch.Tensor, relaxed: torch.Tensor | None) -> tupl
     """strict, relaxed [B, K] bool -> the accepted prefix length [B] and how many of its drafts only
     the relaxed rule accepted [B]."""
     accept = strict if relaxed is None else strict | relaxed
-    accepted = accept.long().cumprod(dim=1).sum(dim=1)
+    # the first rejected position (K when none is): a min over K + 1 entries, never an empty
+    # reduction, so one compiled step serves K = 0 (plain decoding) and every K > 0 alike
+    K = accept.shape[1]
+    index = torch.arange(K + 1, device=accept.device)
+    rejected = torch.cat((~accept, accept.new_ones(accept.shape[0], 1)), dim=1)
+    accepted = torch.where(rejected, index, K + 1).amin(dim=1)
     if relaxed is None:
         return accepted, torch.zeros_like(accepted)
     in_prefix = torch.arange(strict.shape[1], device=strict.device) < accepted[:, None]

@@ -193,10 +193,11 @@ class CachedSelfAttention(nn.Module):
         # x: [B, T, in_dim] -> q [B, T, Hq, D], k and v [B, T, Hkv, D], RoPE applied to q and k
         B, T, _ = x.shape
         d = self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.heads * d, self.kv_heads * d, self.kv_heads * d], dim=-1)
-        q = apply_rope(q.view(B, T, self.heads, d), cos, sin)
-        k = apply_rope(k.view(B, T, self.kv_heads, d), cos, sin)
-        return q, k, v.view(B, T, self.kv_heads, d)
+        # heads first, then the split: a view of a split slice would make a compiled step with a
+        # dynamic T specialise on T == 1 (pipelines/compiled.py)
+        qkv = self.qkv_proj(x).view(B, T, self.heads + 2 * self.kv_heads, d)
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
                 layer: int, batch: AttentionBatch) -> torch.Tensor:

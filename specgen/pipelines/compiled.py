@@ -1,31 +1,39 @@
-"""How the runner calls the step and the prefill: eagerly, or compiled (torch.compile; CUDA graphs).
+"""How the runner calls the step's two parts and the prefill: eagerly, or compiled (torch.compile; CUDA graphs).
 
-Contract: `StepFunctions(unified, state, caches, sampling, device=, compile=)` exposes `step(kv_len)`
-and `prefill(batch)` bound to the runner's state, plus `key_index(kv_len)` and `warm_up()`, which
-compiles (and on CUDA captures) every variant a run will need before the first request, so no
-compilation ever happens mid-run; it returns the seconds that took.
+Contract: `StepFunctions(unified, state, caches, sampling, device=, compile=)` exposes
+`verify(kv_len, t)`, `draft(kv_len, window, k)` and `prefill(batch)` bound to the runner's state,
+plus `warm_up(kv_len, prefill_batches, ks)`, which compiles (and on CUDA captures) the verify
+function and the draft variants `ks` before the first request; it returns the seconds that took.
+Other draft variants compile on first use (`compiled_ks` says which exist; `compile_seconds[k]`
+what each cost), so a job pays only for the k its policy actually runs.
 
 Variants are few by construction:
-- the step is compiled once (`fullgraph`, static shapes) with the attended key count as a DYNAMIC
-  size (`key_index`, an arange whose length is the bound): one graph serves every length bucket.
-  On CUDA the attention kernel reads per-row lengths, the bound is the allocation, and the step is
-  one CUDA graph (Inductor's `triton.cudagraphs`, state and caches at static addresses);
+- verify is compiled ONCE (`fullgraph`) for every T = rows per slot, 1 (plain decoding) included:
+  `rows` is an arange whose length is a dynamic size, compiled "size-oblivious" so that T = 1 does
+  not get a graph of its own. The attended key count is a dynamic size too (`key_index`, an arange
+  whose length is the bound): one graph serves every length bucket. On CUDA the attention kernel
+  reads per-row lengths, the bound is the allocation, and each (T, bucket) is one CUDA graph
+  (Inductor's `triton.cudagraphs`, state and caches at static addresses);
+- the draft is compiled once per k (its chain is unrolled), its window length a dynamic size;
 - the prefill is compiled with dynamic shapes (rows and padded length), without CUDA graphs, where
   it pays (CUDA); on CPU its large GEMMs gain little from Inductor and it stays eager.
 Inductor's on-disk caches live under the directory the caller gives (`$SPECGEN_CACHE/compiled`), so
 a second run of the same recipe reuses compiled code (whole graphs when not frozen; the generated
-kernels always: frozen graphs bypass Inductor's graph cache).
+kernels and the autotuning choices always: frozen graphs bypass Inductor's graph cache).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
+import types
 import warnings
 from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
+import torch.fx.experimental._config as fx_config
 
 from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep
 from specgen.sampling import SamplingTensors
@@ -40,8 +48,15 @@ def freezes(device: torch.device, rows: int) -> bool:
 
 
 def use_compile_cache(directory: Path) -> None:
-    """Point Inductor's (and Triton's) on-disk caches at `directory` unless the user already chose."""
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory / "inductor"))
+    """Point Inductor's (and Triton's) on-disk caches at `directory` unless the user already chose.
+
+    Importing Inductor writes its default (/tmp/torchinductor_<user>) into TORCHINDUCTOR_CACHE_DIR,
+    so "already chose" means a value other than that default: a plain `setdefault` here never took
+    effect, and every run shared /tmp's cache whatever $SPECGEN_CACHE (or HOME) said."""
+    from torch._inductor.runtime.runtime_utils import default_cache_dir
+
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory / "inductor")
     os.environ.setdefault("TRITON_CACHE_DIR", str(directory / "triton"))
 
 
@@ -62,17 +77,37 @@ CPU_FROZEN_SETTINGS = {
 }
 
 
+_code_ids = itertools.count(1)
+
+
+def own_code(fn):
+    """`fn` (a function or bound method) with a code object of its own. Dynamo keeps compiled
+    variants per code object and a call walks the guards of every variant of its code: runners that
+    share a process (bench, tests) and the draft variants of one runner each get their own, so a
+    step's lookup only ever sees its own graph."""
+    func = getattr(fn, "__func__", fn)
+    code = func.__code__.replace(co_name=f"{func.__code__.co_name}_{next(_code_ids)}")
+    copy = types.FunctionType(code, func.__globals__, code.co_name, func.__defaults__, func.__closure__)
+    copy.__kwdefaults__ = func.__kwdefaults__
+    return types.MethodType(copy, fn.__self__) if hasattr(fn, "__self__") else copy
+
+
 def _under_settings(compiled, freezing: bool, device: torch.device):
     """Inductor reads `freezing` (and the GEMM settings) from its global config when it compiles,
     and it compiles at a call (the first, or a recompile), not at torch.compile():
     `options={"freezing": ...}` never reaches it (measured: no weight was folded or prepacked). So
-    every call runs under the settings; the patch costs microseconds against a step of milliseconds."""
-    settings = {"freezing": freezing}
+    every call runs under the settings; the patch costs microseconds against a step of milliseconds.
+    Shapes are compiled size-oblivious: a dynamic size that is 1 at the first call (T = 1, one
+    slot) stays dynamic instead of getting a graph of its own."""
+    # size_asserts off: the generated wrapper re-checks every input's shape and strides at each
+    # call, which the guards already did (measured with the guard filter below: EAGLE-3 K = 2 on
+    # SmolLM2, batch 1, 2 AMD EPYC cores, 42.0 -> 38.8 ms per step)
+    settings = {"freezing": freezing, "size_asserts": False}
     if freezing and device.type == "cpu":
         settings.update(CPU_FROZEN_SETTINGS)
 
     def call(*args):
-        with inductor_config.patch(settings):
+        with inductor_config.patch(settings), fx_config.patch(backed_size_oblivious=True):
             return compiled(*args)
     return call
 
@@ -86,8 +121,11 @@ class StepFunctions:
         self.compiled = bool(compile)
         self.cuda_graphs = self.compiled and device.type == "cuda"
         self._key_index: dict[int, torch.Tensor] = {}
+        self._aranges: dict[tuple[str, int], torch.Tensor] = {}
         self._rows = (state, caches, sampling)          # what the step runs over (see use_slots)
-        self._step = unified.step
+        self._verify = unified.verify_block
+        self._drafts: dict[int, object] = {}            # k -> the compiled draft of k tokens
+        self.compile_seconds: dict[int | str, float] = {}   # "verify" and each k: its first call
         self._prefill = unified.prefill
         self.prefill_compiled = False
         self.frozen = False
@@ -104,23 +142,30 @@ class StepFunctions:
         # Inductor's on-disk graph cache.
         rows = state.pending.numel()
         self.frozen = freezes(device, rows)
-        options = {}
-        # Several runners in one process (tests, benchmarks, library users) share the step's code
-        # object; each adds its own variants.
+        self._options = {}
+        # Each compiled function has a code object of its own (own_code); a few recompiles remain
+        # possible (a sampling flag that widens, the prefill's shapes).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if self.cuda_graphs:
             # CUDA graphs (what mode="reduce-overhead" turns on) replay fixed addresses: everything
             # the step reads or writes in place is marked static.
-            options["triton.cudagraphs"] = True
+            self._options["triton.cudagraphs"] = True
             for t in (*state.tensors(), *caches.tensors(), *unified.target.static_tensors(),
                       *sampling.tensors()):
                 torch._dynamo.mark_static_address(t)
-        self._step = _under_settings(
-            torch.compile(unified.step, fullgraph=True, dynamic=False, options=options), self.frozen, device)
+        self._verify = self._compile(unified.verify_block)
         self.prefill_compiled = compile_prefill if compile_prefill is not None else device.type == "cuda"
         if self.prefill_compiled:
             self._prefill = _under_settings(
-                torch.compile(unified.prefill, fullgraph=True, dynamic=True), self.frozen, device)
+                torch.compile(own_code(unified.prefill), fullgraph=True, dynamic=True), self.frozen, self.device)
+
+    def _compile(self, fn):
+        # The modules' attributes never change during a run (weights are fixed, flags set at build):
+        # Dynamo's guards on them would be walked at every call for nothing (about 0.6 ms a call on a
+        # 2-core CPU, for a step of 25-40 ms).
+        options = {**self._options, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        return _under_settings(torch.compile(own_code(fn), fullgraph=True, dynamic=False, options=options),
+                               self.frozen, self.device)
 
     def key_index(self, kv_len: int) -> torch.Tensor:
         """The arange whose length bounds the keys the reference attention reads (one per bucket)."""
@@ -135,11 +180,61 @@ class StepFunctions:
                 torch._dynamo.mark_dynamic(index, 0, min=2, max=self.caches.target.max_len - 1)
         return index
 
-    def step(self, kv_len: int) -> torch.Tensor:
+    def _arange(self, kind: str, n: int) -> torch.Tensor:
+        """`arange(n)` whose length is a dynamic size (rows per slot, draft window). "Maybe" dynamic:
+        a model that branches on it (MLA picks its attention path by query count) gets one graph per
+        branch instead of an error."""
+        index = self._aranges.get((kind, n))
+        if index is None:
+            index = self._aranges[(kind, n)] = torch.arange(n, device=self.device)
+            if self.compiled:
+                torch._dynamo.maybe_mark_dynamic(index, 0)
+        return index
+
+    @property
+    def compiled_ks(self) -> set[int]:
+        """The draft variants that run without compiling first (every k when steps run eagerly)."""
+        return set(self._drafts) if self.compiled else set(range(1, self.unified.k + 1))
+
+    def verify(self, kv_len: int, t: int) -> torch.Tensor:
+        """Verify T = t pending tokens per slot (t = 1: plain decoding); returns the step's [B, t+3]."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         state, caches, sampling = self._rows
-        return self._step(state, caches, sampling, self.key_index(kv_len))
+        rows = self._arange("rows", t)
+        return self._timed("verify", self._verify, state, caches, sampling, self.key_index(kv_len), rows)
+
+    def draft(self, kv_len: int, window: int, k: int, *, eager: bool = False) -> None:
+        """Propose k tokens per slot after absorbing up to `window` positions. The compiled variant of
+        k is built on its first use; `eager` runs the draft uncompiled (a policy's probe of a k it has
+        not decided to compile)."""
+        unified = self.unified
+        state, caches, sampling = self._rows
+        # at least 2 rows: the window is then never 1, a size compilers treat apart (a row past a
+        # slot's gap is harmless scratch)
+        window = self._arange("window", max(2, min(window, unified.max_window)))
+        if eager and self.compiled and k not in self._drafts:
+            unified.draft_block(state, caches, sampling, self.key_index(kv_len), window, k)
+            return
+        fn = self._drafts.get(k)
+        if fn is None:
+            def draft_k(state, caches, sampling, key_index, window):
+                return unified.draft_block(state, caches, sampling, key_index, window, k)
+
+            fn = self._drafts[k] = self._compile(draft_k) if self.compiled else draft_k
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        self._timed(k, fn, state, caches, sampling, self.key_index(kv_len), window)
+
+    def _timed(self, name, fn, *args):
+        if not self.compiled or name in self.compile_seconds:
+            return fn(*args)
+        start = time.perf_counter()       # the first call compiles (and on CUDA records)
+        out = fn(*args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.compile_seconds[name] = time.perf_counter() - start
+        return out
 
     def use_slots(self, slots: int) -> None:
         """Steps run over the first `slots` slots only (eager steps: other shapes would recompile)."""
@@ -156,17 +251,23 @@ class StepFunctions:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
         self._prefill(self.state, self.caches, batch, self.sampling)
 
-    def warm_up(self, kv_len: int, prefill_batches: list[PrefillBatch]) -> float:
-        """Compile / capture everything before the run (all slots inactive: nothing advances)."""
+    def warm_up(self, kv_len: int, prefill_batches: list[PrefillBatch], ks: tuple[int, ...] = ()) -> float:
+        """Compile / capture the verify function and the draft variants `ks` before the run (all slots
+        inactive: nothing advances)."""
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
         for batch in prefill_batches:
             self.prefill(batch)
         self.state.active.zero_()
-        # CUDA graphs: the first calls run eagerly, the next records; then replays.
+        # CUDA graphs: the first calls run eagerly, the next records; then replays. Every T a step
+        # may verify is recorded here (one compiled function; on CUDA a graph per T).
+        ts = range(1, self.unified.k + 2) if self.cuda_graphs else (1, self.unified.k + 1)
         for _ in range(3 if self.cuda_graphs else 1):
-            self.step(kv_len)
+            for k in ks:
+                self.draft(kv_len, k + 1, k)
+            for t in ts:
+                self.verify(kv_len, t)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start

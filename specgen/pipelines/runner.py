@@ -4,7 +4,10 @@ Contract: `Runner.run(requests, on_finish, on_progress)` pushes every request th
 calls `on_finish(Completion)` exactly once per request, in finishing order, errors included (a request
 that fails never stops the others). It owns:
 - admission: free slots are refilled together, in one batched prefill (pipelines/prefill.py);
-- the host side of each step: ONE device->host read per step of a `[B, K+4]` tensor (accepted,
+- choosing k for each step (a `policy`, pipelines/policy.py: fixed, or adaptive), then issuing the
+  draft of k tokens (none for k = 0) and the verify of k + 1 rows per slot (pipelines/unified.py),
+  and telling the policy what each step accepted and how long it took;
+- the host side of each step: ONE device->host read per step of a `[B, k+4]` tensor (accepted,
   accepted only by relaxed acceptance, the last committed token, emitted). On CUDA the loop issues
   step n+1 BEFORE it reads step n (through a pinned buffer and an event), so the host's Python work
   overlaps the device; a slot that finished at step n therefore runs once more, harmlessly (its
@@ -27,6 +30,7 @@ import torch
 
 from specgen.kernels.keyed_noise import noise_key_for
 from specgen.pipelines.compiled import StepFunctions
+from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy, SlotView
 from specgen.pipelines.prefill import PrefillItem, pack, plan_prefill
 from specgen.pipelines.reasoning import ReasoningMarkers, split, start_state
 from specgen.pipelines.stats import SpecCounters
@@ -94,8 +98,9 @@ class RunTotals:
     steps: int = 0
     prefill_calls: int = 0
     wall_seconds: float = 0.0
-    compile_seconds: float = 0.0     # warm-up: compilation and CUDA-graph capture (inside wall_seconds)
+    compile_seconds: float = 0.0     # compilation and CUDA-graph capture, warm-up or mid-run (inside wall_seconds)
     spec: SpecCounters = field(default_factory=lambda: SpecCounters(0))
+    k_steps: list[int] = field(default_factory=list)    # steps run with each k (0 = plain)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -138,7 +143,8 @@ class Runner:
     def __init__(self, step: UnifiedStep, *, batch_size: int, max_seq_len: int, rules: StopRules,
                  sampling: SamplingTensors, seed: int, device: torch.device, dtype: torch.dtype,
                  compile: bool = False, overlap: bool | None = None, prefill_chunk: int | None = None,
-                 prefill_budget: int | None = None, reasoning: ReasoningMarkers | None = None) -> None:
+                 prefill_budget: int | None = None, reasoning: ReasoningMarkers | None = None,
+                 policy: AdaptivePolicy | FixedPolicy | None = None) -> None:
         self.unified = step
         # the step's relaxed acceptance and the slots' start states must read the same markers
         relaxed = step.relaxed.markers if step.relaxed is not None else None
@@ -150,9 +156,10 @@ class Runner:
         self.sampling = sampling
         self.seed = seed
         self.device = device
+        self.policy = policy if policy is not None else FixedPolicy(step.k)
         self.alloc_len = max_seq_len + step.scratch_len()
         self.caches = step.new_caches(batch_size, self.alloc_len, dtype, device)
-        self.state = step.new_state(batch_size, device)
+        self.state = step.new_state(batch_size, device, dtype)
         self.lag = int(device.type == "cuda" if overlap is None else overlap)
         kind = "cuda" if device.type == "cuda" else "cpu"
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK[kind]
@@ -162,8 +169,11 @@ class Runner:
         self._compiled = self.functions.compiled
         self.reader = _HostReader(device, (batch_size, step.k + 4), self.lag + 1)
         self.warmed = False
+        self._prepared: list = []             # the policies warm_up has prepared
         self.step_no = 0
         self.width = batch_size       # slots the step runs over (fewer in a run's tail, see _narrow)
+        # positions each slot's draft has not absorbed yet (a bound: the draft's catch-up window)
+        self.gaps = [0] * batch_size
         self.totals = RunTotals(spec=SpecCounters(step.k))  # live: readable after an interrupt
 
     @property
@@ -189,22 +199,40 @@ class Runner:
 
     @torch.inference_mode()
     def warm_up(self) -> float:
-        """Compile (and capture) everything up front; seconds spent. Idempotent."""
-        if self.warmed:
-            return 0.0
-        self.warmed = True
-        if not self.compiled:
-            return 0.0
-        batches = []
-        if self.functions.prefill_compiled:
-            # The variants a run meets: one row and several rows (dynamic shapes specialise on 1).
-            # Their limit 0 leaves the slots inactive.
-            items = [PrefillItem(b, [0] * 3, 0, 0) for b in range(min(2, self.batch_size))]
-            for rows in sorted({1, len(items)}):
-                call = plan_prefill(items[:rows], chunk=self.prefill_chunk, budget=self.prefill_budget)[0]
-                key_index = self.functions.key_index(self.kv_bucket(call.width))
-                batches.append(pack(call, self.alloc_len, key_index, self.device))
-        return self.functions.warm_up(self.kv_bucket(0), batches)
+        """Compile (and capture) what the run needs up front; seconds spent. Idempotent. A fixed k gets
+        its draft compiled; an adaptive policy gets every variant's step time (profile.py) and the
+        draft it expects to use. A policy swapped in later (`use_policy`) is prepared the same way."""
+        seconds = 0.0
+        if not self.warmed:
+            self.warmed = True
+            batches = []
+            if self.compiled and self.functions.prefill_compiled:
+                # The variants a run meets: one row and several rows (dynamic shapes specialise on 1).
+                # Their limit 0 leaves the slots inactive.
+                items = [PrefillItem(b, [0] * 3, 0, 0) for b in range(min(2, self.batch_size))]
+                for rows in sorted({1, len(items)}):
+                    call = plan_prefill(items[:rows], chunk=self.prefill_chunk, budget=self.prefill_budget)[0]
+                    key_index = self.functions.key_index(self.kv_bucket(call.width))
+                    batches.append(pack(call, self.alloc_len, key_index, self.device))
+            fixed = self.policy.k if isinstance(self.policy, FixedPolicy) else 0
+            seconds += self.functions.warm_up(self.kv_bucket(0), batches, (fixed,) if fixed else ())
+        if any(p is self.policy for p in self._prepared):
+            return seconds
+        self._prepared.append(self.policy)
+        if isinstance(self.policy, AdaptivePolicy):
+            from specgen.pipelines.profile import calibrate
+
+            spent = calibrate(self.policy, self.functions, self.kv_bucket(0), self.batch_size)
+            seconds += spent if self.compiled else 0.0     # eager: profiling is part of the run
+        elif self.policy.k and self.policy.k not in self.functions.compiled_ks:
+            seconds += self.functions.warm_up(self.kv_bucket(0), [], (self.policy.k,))
+        return seconds
+
+    def use_policy(self, policy: AdaptivePolicy | FixedPolicy) -> None:
+        """Choose k with `policy` from the next run on (bench: fixed K and auto over one compiled
+        step). Its k never exceeds the step's K."""
+        assert (policy.k if isinstance(policy, FixedPolicy) else policy.k_max) <= self.unified.k
+        self.policy = policy
 
     def close(self) -> None:
         """Release compiled code and CUDA-graph memory (several runners in one process)."""
@@ -252,29 +280,63 @@ class Runner:
         if self.width != self.batch_size:               # a previous run ended narrowed
             self.width = self.batch_size
             self.functions.use_slots(self.batch_size)
+        totals.k_steps = [0] * (self.unified.k + 1)
         slots: list[_Slot | None] = [None] * self.batch_size
         lengths = [0] * self.batch_size          # host mirror of cache_lens, for the kv bucket
-        inflight: deque[tuple[int, Callable[[], list[list[int]]]]] = deque()
+        inflight: deque[tuple[int, int, Callable[[], list[list[int]]]]] = deque()
         more = True
         while True:
+            began = time.perf_counter()
             free = [b for b in range(self.batch_size) if slots[b] is None]
             if free and more:
                 more = self._admit(free, pending, slots, lengths, finish, totals)
+            after_admission = time.perf_counter()
             live = [b for b in range(self.batch_size) if slots[b] is not None]
+            timed = None
             if live:
-                kv_len = self.kv_bucket(max(lengths[b] for b in live))
-                inflight.append((self.step_no, self.reader.start(self.functions.step(kv_len))))
-                self.step_no += 1
-                totals.steps += 1
+                k, timed = self._issue(live, slots, lengths, inflight, totals)
             if not inflight:
                 if more:
                     continue              # every admitted request failed: admit the next ones
                 break
             if len(inflight) > self.lag or not live:
-                number, read = inflight.popleft()
-                self._absorb(number, read(), slots, lengths, finish)
+                number, k_read, read = inflight.popleft()
+                self._absorb(number, k_read, read(), slots, lengths, finish)
+            if timed is not None:         # the iteration's time, admission left out: the step's cost
+                self.policy.observe_step(timed, self.width, time.perf_counter() - after_admission)
             if not more and not inflight:
                 self._narrow(slots, lengths)
+
+    def _issue(self, live: list[int], slots: list[_Slot | None], lengths: list[int], inflight,
+               totals: RunTotals) -> tuple[int, int | None]:
+        """Choose k, draft k tokens (none for k = 0), verify k + 1 rows per slot. Returns k and, when
+        this step's time is its variant's steady cost, k again (None after a compile or an eager probe)."""
+        functions = self.functions
+        views = [SlotView(b, slots[b].tracker.max_tokens - len(slots[b].tracker.token_ids)) for b in live]
+        ready = functions.compiled_ks
+        k = self.policy.choose(views, ready, self.width, set(range(1, self.unified.k + 1)))
+        kv_len = self.kv_bucket(max(lengths[b] for b in live))
+        steady = True
+        if k > 0:
+            # a probe of a variant that was never compiled runs its draft eagerly: the policy
+            # compiles only what it decided pays (pipelines/policy.py)
+            probe = getattr(self.policy, "reason", "best") == "probe" and k not in ready
+            compiles = self.compiled and not probe and k not in ready
+            before = functions.compile_seconds.get(k, 0.0)
+            functions.draft(kv_len, max(self.gaps[b] for b in live), k, eager=probe)
+            if compiles:
+                totals.compile_seconds += functions.compile_seconds.get(k, 0.0) - before
+            steady = not (probe or compiles)
+            for b in range(self.batch_size):
+                self.gaps[b] = 0
+        out = functions.verify(kv_len, k + 1)
+        for b in live:
+            self.gaps[b] += k + 1
+        inflight.append((self.step_no, k, self.reader.start(out)))
+        self.step_no += 1
+        totals.steps += 1
+        totals.k_steps[k] += 1
+        return k, (k if steady else None)
 
     def _narrow(self, slots: list[_Slot | None], lengths: list[int]) -> None:
         """In the tail of a run (no request left to admit), once at most half the slots are live,
@@ -294,12 +356,14 @@ class Runner:
             self.state.active[src] = False
             slots[dst], slots[src] = slots[src], None
             lengths[dst] = lengths[src]
+            self.gaps[dst] = self.gaps[src]
+            self.policy.move(src, dst)
         self.width = width
         self.functions.use_slots(width)
 
-    def _absorb(self, number: int, rows: list[list[int]], slots: list[_Slot | None], lengths: list[int],
-                finish) -> None:
-        """Feed the results of step `number` to the requests they belong to."""
+    def _absorb(self, number: int, k: int, rows: list[list[int]], slots: list[_Slot | None],
+                lengths: list[int], finish) -> None:
+        """Feed the results of step `number` (which drafted k) to the requests they belong to."""
         for b, slot in enumerate(slots):
             if slot is None or slot.first_step > number:
                 continue                  # a free slot, or one refilled after this step was issued
@@ -308,7 +372,8 @@ class Runner:
             if number == slot.first_step and slot.tracker.add(last):
                 self._release(b, slots, finish)
                 continue
-            slot.counters.record(accepted, relaxed)
+            slot.counters.record(accepted, relaxed, k)
+            self.policy.observe_block(b, k, accepted)
             lengths[b] += accepted + 1
             for token in emitted[: accepted + 1]:
                 if slot.tracker.add(token):
@@ -351,6 +416,8 @@ class Runner:
             slots[b] = _Slot(request, OutputTracker(self.rules, self._max_tokens(request)),
                              SpecCounters(self.unified.k), first_step=self.step_no, reasoning_start=starts[b])
             lengths[b] = len(request.prompt_ids)
+            self.gaps[b] = 1              # the draft re-reads the prompt's last position
+            self.policy.admit(b)
             totals.prompt_tokens += len(request.prompt_ids)
         return more
 

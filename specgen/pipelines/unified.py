@@ -1,34 +1,47 @@
-"""THE STEP: merge -> target -> verify -> commit -> draft, one function with static shapes; and prefill.
+"""THE STEP, in two compiled parts issued back to back (draft, then verify), and prefill.
 
-Contract (DESIGN.md section 3). Device state lives in one `StepState` (all static in shape, `B` slots,
-`K` drafts per step) and the caches in `StepCaches`:
-- `pending [B, K+1]`: the last committed token (its K/V not yet written) then the K drafts;
+Contract (DESIGN.md sections 3 and 7). Device state lives in one `StepState` (static shapes: `B` slots,
+`K` = the draft's most tokens per step, K_max) and the caches in `StepCaches`:
+- `pending [B, K+1]`: the last committed token (its K/V not yet written) then the drafts;
 - `cache_lens [B]`: tokens whose K/V are in the caches; pending token i sits at `cache_lens + i`;
 - `active [B]`: slots that advance; a slot stops by itself once `cache_lens >= limit` (its
   max_tokens), so a step issued before the host has seen a finish can never run past the allocation;
 - `limit [B]`, `noise_key [B]`, and `draft_probs [B, K, V] | None` (stochastic drafts only);
 - `reasoning [B]`: whether the slot is inside a reasoning span before `pending[:, 0]`. Prefill sets
   it from the prompt; the step reads and updates it only with relaxed acceptance, which applies
-  inside spans alone (pipelines/relaxed.py).
+  inside spans alone (pipelines/relaxed.py);
+- with a draft: `draft_len [B]`, the positions the draft has absorbed (its cache holds entries for
+  positions < draft_len), and a ring of the last `ring_len` positions: `features [B, R, D]` (the
+  target features the draft reads, by position % R) and `tokens [B, R]` (the committed tokens).
 
-`step(state, caches, sampling, key_index)` advances every active slot by one verified block, updates
-`state` IN PLACE (fixed addresses: CUDA graphs replay them) and returns one int64 tensor
-`[B, K+4]` = (accepted, relaxed_accepted, the last committed token the step started from,
-emitted[K+1]), the only thing the host reads. `emitted` holds the accepted drafts then the
-correction / bonus token, padded with -1; `relaxed_accepted` counts the accepted drafts that only
-relaxed acceptance accepted (0 without it).
-Inactive slots run along (static shapes), compute at positions 0..K of their own rows (scratch), and
-never advance. Plain decoding is the same step with K = 0 and no draft.
+One step = `draft(k)` then `verify(T = k + 1)`; the host picks k per step (pipelines/policy.py):
+- `verify(state, caches, sampling, key_index, rows)`: merge -> target -> verify -> commit over the
+  first T = len(rows) pending tokens (the last committed token and T - 1 drafts). `rows` is an
+  arange whose LENGTH is T: ONE compiled function serves every T (a dynamic size). T = 1 is plain
+  decoding, the very function `draft.method: none` runs (with a draft it also keeps the ring current:
+  a copy of T feature rows). It updates `state` IN PLACE (fixed addresses: CUDA graphs replay
+  them) and returns one int64 tensor `[B, T+3]` = (accepted, relaxed_accepted, the last committed
+  token the step started from, emitted[T]), the only thing the host reads. `emitted` holds the
+  accepted drafts then the correction / bonus token, padded with -1; `relaxed_accepted` counts the
+  accepted drafts that only relaxed acceptance accepted (0 without it).
+- `draft(state, caches, sampling, key_index, window, k)`: the draft first absorbs every committed
+  position since its last call (entries read from the ring: after a step of k drafts, the k + 1
+  verified positions; after plain steps, all the positions they skipped), then proposes k tokens into
+  `pending[:, 1:k+1]`. One compiled variant per k; `window` is an arange whose length W bounds the
+  positions any slot has to absorb (a dynamic size). A slot never absorbs more than
+  `max_window` positions back: the ring holds no more (the policy's probes keep gaps shorter).
+Inactive slots run along (static shapes), compute at their first positions (scratch), and never
+advance. Rows past a slot's own gap in the draft window sit at its committed length (scratch).
 
 `prefill(state, caches, batch, sampling)` writes the prompts of several slots at once (a
 `PrefillBatch`: padded rows, per-row positions, possibly one chunk of a longer prompt); for rows whose
-prompt ends in this chunk it samples the first token with the same keyed sampler, drafts the first
-block and activates the slot, leaving it exactly as a step would have. It returns nothing: the first
-token reaches the host as the "last committed token" of the slot's first step, so prefill adds no
-device->host read.
+prompt ends in this chunk it samples the first token with the same keyed sampler, lets the draft
+absorb the prompt (no proposal: the next `draft` call proposes, re-reading the prompt's last
+position) and activates the slot. It returns nothing: the first token reaches the host as the "last
+committed token" of the slot's first step, so prefill adds no device->host read.
 
 Noise positions: logits row i predicts the token at `cache_lens + i + 1`; that absolute position keys
-its randomness, so the token sampled there never depends on the batch, the draft, or call order.
+its randomness, so the token sampled there never depends on the batch, the draft, k, or call order.
 """
 
 from __future__ import annotations
@@ -44,6 +57,9 @@ from specgen.pipelines.verify import verify
 from specgen.sampling import SamplingTensors, process_logits, sample_draft
 
 
+RING_MIN = 64     # ring positions at least (K_max + 1 + the longest catch-up)
+
+
 @dataclass(slots=True)
 class StepState:
     pending: torch.Tensor             # [B, K+1] int64
@@ -53,10 +69,13 @@ class StepState:
     noise_key: torch.Tensor           # [B] int64
     reasoning: torch.Tensor           # [B] bool: inside a reasoning span before pending[:, 0]
     draft_probs: torch.Tensor | None  # [B, K, V] float32, stochastic drafts only
+    draft_len: torch.Tensor | None = None   # [B] int64: positions the draft has absorbed
+    features: torch.Tensor | None = None    # [B, R, D] target features by position % R
+    tokens: torch.Tensor | None = None      # [B, R] int64 committed tokens by position % R
 
     def _fields(self) -> tuple[torch.Tensor | None, ...]:
         return (self.pending, self.cache_lens, self.active, self.limit, self.noise_key, self.reasoning,
-                self.draft_probs)
+                self.draft_probs, self.draft_len, self.features, self.tokens)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self._fields() if t is not None]
@@ -96,31 +115,41 @@ class PrefillBatch:
 
 
 class UnifiedStep:
-    """Binds a target and an optional draft into the step and the batched prefill. `relaxed`:
-    relaxed acceptance inside reasoning spans (lossy, opt-in; pipelines/relaxed.py)."""
+    """Binds a target and an optional draft into the step's two parts and the batched prefill.
+    `relaxed`: relaxed acceptance inside reasoning spans (lossy, opt-in; pipelines/relaxed.py)."""
 
     def __init__(self, target, draft=None, *, stochastic_drafts: bool = False, use_kernel: bool = False,
                  num_sms: int = 1, relaxed: RelaxedAcceptance | None = None) -> None:
         self.target = target
         self.draft = draft
-        self.k = draft.num_speculative_tokens if draft is not None else 0
+        self.k = draft.num_speculative_tokens if draft is not None else 0     # K_max
         self.stochastic = stochastic_drafts and draft is not None
         self.relaxed = relaxed if self.k > 0 else None
         self.capture = tuple(draft.aux_layer_ids) if draft is not None else ()
         self.use_kernel = use_kernel      # the Triton attention kernel (CUDA) or the SDPA reference
         self.num_sms = num_sms
         self.timer = None                 # a pipelines.phases.PhaseTimer (eager steps only)
+        # The ring keeps the last ring_len positions; a verify writes up to K scratch entries past
+        # the committed length, which alias the oldest ones, so a catch-up reads at most max_window.
+        self.ring_len = max(RING_MIN, 4 * (self.k + 1))
+        self.max_window = self.ring_len - self.k - 1
 
     # -- state -------------------------------------------------------------------------------------
 
-    def new_state(self, slots: int, device) -> StepState:
+    def new_state(self, slots: int, device, dtype: torch.dtype = torch.float32) -> StepState:
         probs = (torch.zeros(slots, self.k, self.target.vocab_size, device=device)
                  if self.stochastic else None)
         zeros = torch.zeros(slots, dtype=torch.long, device=device)
         flags = torch.zeros(slots, dtype=torch.bool, device=device)
+        ring = {}
+        if self.draft is not None:
+            width = len(self.capture) * self.target.hidden_size
+            ring = {"draft_len": zeros.clone(),
+                    "features": torch.zeros(slots, self.ring_len, width, dtype=dtype, device=device),
+                    "tokens": torch.zeros(slots, self.ring_len, dtype=torch.long, device=device)}
         return StepState(pending=torch.zeros(slots, self.k + 1, dtype=torch.long, device=device),
                          cache_lens=zeros.clone(), active=flags.clone(), limit=zeros.clone(),
-                         noise_key=zeros.clone(), reasoning=flags.clone(), draft_probs=probs)
+                         noise_key=zeros.clone(), reasoning=flags.clone(), draft_probs=probs, **ring)
 
     def new_caches(self, slots: int, max_len: int, dtype: torch.dtype, device) -> StepCaches:
         draft = self.draft.new_cache(slots, max_len, dtype, device) if self.draft is not None else None
@@ -148,55 +177,99 @@ class UnifiedStep:
 
         return pick
 
-    # -- the step ------------------------------------------------------------------------------------
+    # -- the step: draft, then verify ----------------------------------------------------------------
 
-    def step(self, state: StepState, caches: StepCaches, sampling: SamplingTensors,
-             key_index: torch.Tensor) -> torch.Tensor:
-        # state: B slots; key_index: [kv_len] -> [B, K+4] int64 (accepted, relaxed, last, emitted[K+1])
+    def draft_block(self, state: StepState, caches: StepCaches, sampling: SamplingTensors,
+                    key_index: torch.Tensor, window: torch.Tensor, k: int) -> None:
+        # window: [W] arange (W >= every slot's unabsorbed positions); k: drafts to propose (static)
+        timer = self.timer
+        if timer is not None:
+            timer.begin(is_step=False)
+        active, ring = state.active, self.ring_len
+        lens = torch.where(active, state.cache_lens, 1)                                  # [B]
+        start = torch.maximum(torch.where(active, state.draft_len, 0), lens - window.shape[0])
+        last = lens - 1 - start                                                          # [B] < W
+        # entry j: the feature of position p_j and the token at p_j + 1; rows past a slot's gap sit
+        # at its committed length, a scratch entry the next step overwrites
+        positions = torch.minimum(start.unsqueeze(1) + window, lens.unsqueeze(1))       # [B, W]
+        at = positions % ring
+        features = state.features.gather(1, at.unsqueeze(-1).expand(-1, -1, state.features.shape[-1]))
+        next_tokens = state.tokens.gather(1, (positions + 1) % ring)
+        attn = self.attention(positions, None, key_index)
+        drafts, probs = self.draft.propose(features, next_tokens, positions, last, caches.draft, attn,
+                                           self._pick(sampling, state.noise_key), k)
+        state.pending[:, 1:k + 1].copy_(drafts)
+        if probs is not None:
+            state.draft_probs[:, :k].copy_(probs)
+        state.draft_len.copy_(torch.where(active, lens, state.draft_len))
+        if timer is not None:
+            timer.mark("draft")
+
+    def verify_block(self, state: StepState, caches: StepCaches, sampling: SamplingTensors,
+                     key_index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        # rows: [T] arange, T = 1 + drafts verified; key_index: [kv_len]
+        # -> [B, T+3] int64 (accepted, relaxed, last, emitted[T])
         timer = self.timer
         if timer is not None:
             timer.begin()
-        k, active = self.k, state.active
-        offsets = torch.arange(k + 1, device=active.device)
-        positions = torch.where(active, state.cache_lens, 0).unsqueeze(1) + offsets     # [B, K+1]
+        t, active = rows.shape[0], state.active
+        positions = torch.where(active, state.cache_lens, 0).unsqueeze(1) + rows          # [B, T]
+        # gathered, not sliced: the commit below writes pending[:, 0] in place, and a view of T
+        # columns that may or may not overlap that write would specialise the compiled step on T
+        pending = state.pending.index_select(1, rows)                                    # [B, T]
         attn = self.attention(positions, None, key_index)
         # merge + target: one forward over the last token and the drafts of every slot
-        hidden, aux = self.target(state.pending, positions, caches.target, attn, capture=self.capture)
+        hidden, aux = self.target(pending, positions, caches.target, attn, capture=self.capture)
         logits = self.target.logits(hidden)
         if timer is not None:
             timer.mark("target")
         logprobs = process_logits(logits, sampling)
+        drafts = pending[:, 1:]
         relaxed = inside = None
         if self.relaxed is not None:
             # inside[:, i]: the row is in a reasoning span once pending[:, 0..i] are committed, i.e.
             # where pending[:, i + 1] = drafts[:, i] (verified by logits row i) would go
-            inside = states_after(state.pending, state.reasoning, self.relaxed.markers)   # [B, K+1]
-            relaxed = self.relaxed.mask(logprobs, state.pending[:, 1:], inside[:, :k])
+            inside = states_after(pending, state.reasoning, self.relaxed.markers)           # [B, T]
+            relaxed = self.relaxed.mask(logprobs, drafts, inside[:, :-1])
+        draft_probs = state.draft_probs.index_select(1, rows[1:] - 1) if state.draft_probs is not None else None
         # verify: the one lossless rule for every draft type (relaxed acceptance aside)
         accepted, emitted, relaxed_accepted = verify(
-            logprobs, state.pending[:, 1:], state.draft_probs, sampling.greedy, state.noise_key,
-            positions + 1, relaxed=relaxed, all_greedy=sampling.all_greedy)
-        out = torch.cat((accepted.unsqueeze(1), relaxed_accepted.unsqueeze(1), state.pending[:, :1], emitted), 1)
+            logprobs, drafts, draft_probs, sampling.greedy, state.noise_key, positions + 1,
+            relaxed=relaxed, all_greedy=sampling.all_greedy)
+        out = torch.cat((accepted.unsqueeze(1), relaxed_accepted.unsqueeze(1), pending[:, :1], emitted), 1)
         # commit: rejected positions need no undo, their K/V lie past the new length
         new_lens = state.cache_lens + (accepted + 1) * active
-        pending = emitted.gather(1, accepted.unsqueeze(1))                              # [B, 1]
-        if timer is not None:
-            timer.mark("verify")
         if self.draft is not None:
-            # draft: entry j pairs the feature of position p_j with the token at p_j + 1
-            drafts, probs = self.draft.propose(aux, emitted.clamp(min=0), positions, accepted,
-                                               caches.draft, attn, self._pick(sampling, state.noise_key))
-            pending = torch.cat((pending, drafts), 1)
-            if probs is not None:
-                state.draft_probs.copy_(probs)
-        state.pending.copy_(pending)
+            # the ring: the T features, and the tokens at positions p .. p + T (the committed ones
+            # first, then scratch) that the draft reads when it next absorbs these positions
+            self._write_ring(state, positions, aux, torch.cat((pending[:, :1], emitted.clamp(min=0)), 1))
+        state.pending[:, :1].copy_(emitted.gather(1, accepted.unsqueeze(1)))
         if inside is not None:
             state.reasoning.copy_(inside.gather(1, accepted.unsqueeze(1)).squeeze(1))
         state.cache_lens.copy_(new_lens)
         state.active.copy_(active & (new_lens < state.limit))
         if timer is not None:
-            timer.mark("draft")
+            timer.mark("verify")
         return out
+
+    def _write_ring(self, state: StepState, positions: torch.Tensor, features: torch.Tensor,
+                    tokens: torch.Tensor) -> None:
+        # positions: [B, T]; features: [B, T, D] (position p's); tokens: [B, T+1] (positions p .. p+T)
+        slots = torch.arange(positions.shape[0], device=positions.device).unsqueeze(1)
+        if features is not None:          # None: a draft that reads no target layer (test doubles)
+            state.features.index_put_((slots, positions % self.ring_len), features.to(state.features.dtype))
+        after = torch.cat((positions, positions[:, -1:] + 1), 1)
+        state.tokens.index_put_((slots, after % self.ring_len), tokens)
+
+    def step(self, state: StepState, caches: StepCaches, sampling: SamplingTensors,
+             key_index: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """One whole step, eagerly: draft k (default K_max; 0 = plain decoding), then verify."""
+        k = self.k if k is None else k
+        if k > 0:
+            window = torch.arange(self.max_window, device=state.pending.device)
+            self.draft_block(state, caches, sampling, key_index, window, k)
+        return self.verify_block(state, caches, sampling, key_index,
+                                 torch.arange(k + 1, device=state.pending.device))
 
     # -- prefill -------------------------------------------------------------------------------------
 
@@ -215,24 +288,28 @@ class UnifiedStep:
         logprobs = process_logits(self.target.logits(hidden[index, last].unsqueeze(1)), row_sampling)
         _, emitted, _ = verify(logprobs, batch.tokens[:, :0], None, row_sampling.greedy, batch.noise_key,
                                length.unsqueeze(1), all_greedy=sampling.all_greedy)
-        first = emitted[:, :1]                                                          # [n, 1]
-        pending, probs = first, None
-        if self.draft is not None:
-            # the entry of the chunk's last token pairs it with the token after it: the next prompt
-            # token for a chunk that ends mid-prompt, the sampled first token otherwise
-            after = torch.where(batch.is_last, first[:, 0], batch.next_tokens[index, last])
-            next_tokens = batch.next_tokens.scatter(1, last.unsqueeze(1), after.unsqueeze(1))
-            drafts, probs = self.draft.propose(aux, next_tokens, batch.positions, last, caches.draft,
-                                               attn, self._pick(row_sampling, batch.noise_key))
-            pending = torch.cat((first, drafts), 1)
+        first = emitted[:, 0]                                                           # [n]
         done = batch.is_last
-        state.pending[rows] = torch.where(done.unsqueeze(1), pending, state.pending[rows])
+        if self.draft is not None:
+            # the draft absorbs the chunk: the entry of its last token pairs it with the token after
+            # it (the next prompt token mid-prompt, the sampled first token at the end); no proposal
+            after = torch.where(done, first, batch.next_tokens[index, last])
+            next_tokens = batch.next_tokens.scatter(1, last.unsqueeze(1), after.unsqueeze(1))
+            self.draft.propose(aux, next_tokens, batch.positions, last, caches.draft, attn,
+                               self._pick(row_sampling, batch.noise_key), 0)
+            # the next draft call re-reads the prompt's last position from the ring, and proposes
+            ring = self.ring_len
+            where = (length - 1) % ring
+            if aux is not None:
+                state.features[rows, where] = torch.where(done[:, None], aux[index, last].to(state.features.dtype),
+                                                          state.features[rows, where])
+            state.tokens[rows, length % ring] = torch.where(done, first, state.tokens[rows, length % ring])
+            state.draft_len[rows] = torch.where(done, length - 1, state.draft_len[rows])
+        state.pending[rows, 0] = torch.where(done, first, state.pending[rows, 0])
         state.cache_lens[rows] = torch.where(done, length, state.cache_lens[rows])
         state.limit[rows] = batch.limit
         state.noise_key[rows] = batch.noise_key
         state.reasoning[rows] = torch.where(done, batch.reasoning, state.reasoning[rows])
         state.active[rows] = done & (length < batch.limit)
-        if probs is not None:
-            state.draft_probs[rows] = torch.where(done[:, None, None], probs, state.draft_probs[rows])
         if self.timer is not None:
             self.timer.mark("prefill")

@@ -59,6 +59,7 @@ def measure_acceptance(recipe_data: dict, folder: Path, ks: list[int], prompts: 
             data["draft"] = {"method": "none"}
         else:
             data["draft"].update({"model": str(folder), "load_format": "auto", "num_speculative_tokens": k})
+            data["draft"].pop("max_speculative_tokens", None)     # a pinned K has no maximum
         data["prompts"] = str(prompts)
         out = work / f"eval-{'ar' if k is None else f'k{k}'}.jsonl"
         data["output"] = str(out)

@@ -1,0 +1,287 @@
+"""Choosing K per step: the variant that commits the most tokens per second (DESIGN.md section 7).
+
+Contract: the runner asks `choose(slots)` before every step and gets k in 0..K_max (0 = the plain
+step: no draft pass, one row per slot); it reports each slot's verified block with
+`observe_block(slot, k, accepted)` and each step's wall time with `observe_step(k, width, seconds)`.
+`FixedPolicy(k)` always answers k (a recipe that pins `num_speculative_tokens`).
+
+`AdaptivePolicy` maximises expected committed tokens per second of the live slots:
+
+    rate(k) = sum over live slots b of min(E_b(k), tokens b may still emit) / cost(width, k)
+    E_b(k)  = 1 + sum_{i=1..k} prod_{j<=i} a_{b,j}
+
+- a_{b,j}, the acceptance of draft position j given that positions 1..j-1 were accepted, is
+  measured online: per slot (it changes with the text: code, lists, prose) over a prior that is the
+  job's own estimate, which itself starts from the draft card's held-out figures (`prior`) and
+  forgets old blocks (exponential decay), so both follow the job. A position no step has reached yet
+  takes the card's figure scaled by how the job's first position compares with the card's.
+- cost(width, k) is the measured wall time of a step that drafted k (the draft call, the verify of
+  k + 1 rows per slot and the host's share), profiled at warm-up and refined online (an average
+  that forgets slowly, with outliers clipped). Acceptance alone cannot choose k: on a CPU verifying
+  k + 1 rows costs little more than one, while on a GPU at large batch it costs k + 1 times as much.
+- Variants that do not exist yet (a draft of k tokens not compiled) cost their compile time: the
+  policy compiles k only when the time it is expected to save over the rest of the job
+  (`horizon_tokens`) is at least twice that cost, so a short job never compiles what it cannot repay.
+- While k = 0 wins, nothing measures acceptance: every `probe_interval` plain steps one step drafts
+  (the best k > 0 that runs without compiling, or an eager draft), which also lets the draft catch
+  up on the positions it skipped. A probe that confirms k = 0 doubles the interval (up to
+  `max_interval`, which keeps every catch-up inside the draft's window); a win resets it. While some
+  k > 0 wins, every `probe_interval` steps one step tries k + 1, so the next position stays measured.
+Nothing here touches a tensor: the policy is host-side arithmetic on a few floats per slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+# Pseudo-observations behind a prior: the card's figures for the job, the job's for a new slot.
+JOB_PRIOR_WEIGHT = 12.0
+SLOT_PRIOR_WEIGHT = 6.0
+JOB_DECAY = 0.995          # per observed draft position: the job forgets over ~200 blocks
+SLOT_DECAY = 0.9           # a slot over ~10 blocks
+COST_WEIGHT = 0.1          # weight of a new step time in the running cost
+MIN_GAIN = 0.03            # a variant must beat the current best by this much to be compiled
+COMPILE_PAYBACK = 2.0      # ... and save this many times its compile time over the horizon
+FIRST_PROBE_INTERVAL = 8
+
+
+@dataclass(slots=True)
+class SlotView:
+    """What the policy needs of one live slot."""
+
+    slot: int
+    remaining: int             # tokens it may still emit (max_tokens left)
+
+
+class FixedPolicy:
+    """Always the same k (a pinned `num_speculative_tokens`)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+    def choose(self, slots: Sequence[SlotView], available: set[int] | None = None, width: int | None = None,
+               probe_ks: set[int] | None = None) -> int:
+        return self.k
+
+    def admit(self, slot: int) -> None: ...
+
+    def move(self, src: int, dst: int) -> None: ...
+
+    def observe_block(self, slot: int, k: int, accepted: int) -> None: ...
+
+    def observe_step(self, k: int, width: int, seconds: float) -> None: ...
+
+    def summary(self) -> dict:
+        return {"policy": f"fixed k={self.k}"}
+
+
+@dataclass(slots=True)
+class _Acceptance:
+    """Decayed counts of attempts and acceptances per draft position."""
+
+    attempts: list[float]
+    accepts: list[float]
+
+    @classmethod
+    def empty(cls, k_max: int) -> _Acceptance:
+        return cls([0.0] * k_max, [0.0] * k_max)
+
+    def add(self, k: int, accepted: int, decay: float) -> None:
+        # positions 1..accepted were accepted; position accepted + 1 (if drafted) was rejected
+        for j in range(min(accepted + 1, k)):
+            self.attempts[j] = self.attempts[j] * decay + 1.0
+            self.accepts[j] = self.accepts[j] * decay + (j < accepted)
+
+    def rates(self, prior: Sequence[float], weight: float) -> list[float]:
+        return [(s + weight * p) / (n + weight) for s, n, p in zip(self.accepts, self.attempts, prior)]
+
+
+@dataclass(slots=True)
+class _Cost:
+    seconds: float
+    samples: int = 0
+
+    def add(self, seconds: float) -> None:
+        if self.samples >= 3:           # a GC pause or a page fault is not the variant's cost
+            seconds = min(seconds, 3.0 * self.seconds)
+        self.samples += 1
+        weight = max(COST_WEIGHT, 1.0 / self.samples)
+        self.seconds += weight * (seconds - self.seconds)
+
+
+@dataclass
+class AdaptivePolicy:
+    k_max: int
+    prior: list[float]                       # card: acceptance of position j given 1..j-1 accepted
+    compile_estimate: dict[int, float] = field(default_factory=dict)   # k -> seconds to compile
+    horizon_tokens: float | None = None      # tokens the job is still expected to produce
+    max_interval: int = 32
+    _job: _Acceptance = field(init=False)
+    _slots: dict[int, _Acceptance] = field(init=False, default_factory=dict)
+    _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)
+    probe_interval: int = field(init=False, default=FIRST_PROBE_INTERVAL)
+    _since_probe: int = field(init=False, default=0)
+    _produced: float = field(init=False, default=0.0)
+    last_choice: int = field(init=False, default=0)
+    reason: str = field(init=False, default="best")      # best | compile | probe
+    last_rates: dict[int, float] = field(init=False, default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.prior) < self.k_max:      # a card that measured fewer positions: repeat its last
+            last = self.prior[-1] if self.prior else 0.5
+            self.prior = [*self.prior, *([last] * (self.k_max - len(self.prior)))]
+        self.prior = [min(max(p, 0.0), 0.99) for p in self.prior[: self.k_max]]
+        self._job = _Acceptance.empty(self.k_max)
+
+    # -- what the runner reports -------------------------------------------------------------------
+
+    def admit(self, slot: int) -> None:
+        self._slots[slot] = _Acceptance.empty(self.k_max)
+
+    def move(self, src: int, dst: int) -> None:
+        """A live slot moved (the runner narrows its steps in a run's tail)."""
+        self._slots[dst] = self._slots.pop(src, _Acceptance.empty(self.k_max))
+
+    def observe_block(self, slot: int, k: int, accepted: int) -> None:
+        self._produced += accepted + 1
+        if k == 0:
+            return
+        self._job.add(k, accepted, JOB_DECAY)
+        self._slots.setdefault(slot, _Acceptance.empty(self.k_max)).add(k, accepted, SLOT_DECAY)
+
+    def observe_step(self, k: int, width: int, seconds: float) -> None:
+        cost = self._costs.get((width, k))
+        if cost is None:
+            self._costs[(width, k)] = _Cost(seconds, 1)
+        else:
+            cost.add(seconds)
+
+    def set_cost(self, k: int, width: int, seconds: float) -> None:
+        """A profiled (warm-up) or estimated cost, before any step of that variant ran."""
+        self._costs[(width, k)] = _Cost(seconds, 0)
+
+    # -- estimates ---------------------------------------------------------------------------------
+
+    def job_rates(self) -> list[float]:
+        """The job's acceptance per position; unreached positions follow the card, scaled."""
+        measured = self._job.rates(self.prior, JOB_PRIOR_WEIGHT)
+        scale = measured[0] / self.prior[0] if self.prior[0] > 0 else 1.0
+        out = []
+        for j, rate in enumerate(measured):
+            if self._job.attempts[j] < 1.0 and j > 0:
+                rate = min(0.99, self.prior[j] * scale)
+            out.append(rate)
+        return out
+
+    def expected_tokens(self, rates: Sequence[float], k: int) -> float:
+        total, run = 1.0, 1.0
+        for j in range(k):
+            run *= rates[j]
+            total += run
+        return total
+
+    def cost(self, k: int, width: int) -> float | None:
+        exact = self._costs.get((width, k))
+        if exact is not None:
+            return exact.seconds
+        # another width: the nearest one measured, scaled by rows (eager steps narrow in a run's tail)
+        same_k = [(w, c.seconds) for (w, kk), c in self._costs.items() if kk == k]
+        if same_k:
+            w, seconds = min(same_k, key=lambda wc: abs(wc[0] - width))
+            return seconds * (0.5 + 0.5 * width / w)
+        return None
+
+    def rates(self, slots: Sequence[SlotView], width: int) -> dict[int, float]:
+        """Expected committed tokens per second for every k with a cost."""
+        job = self.job_rates()
+        per_slot = [self._slots.get(s.slot, _Acceptance.empty(self.k_max)).rates(job, SLOT_PRIOR_WEIGHT)
+                    for s in slots]
+        out = {}
+        for k in range(self.k_max + 1):
+            seconds = self.cost(k, width)
+            if seconds is None or seconds <= 0:
+                continue
+            tokens = sum(min(self.expected_tokens(r, k), max(1, s.remaining)) for r, s in zip(per_slot, slots))
+            out[k] = tokens / seconds
+        return out
+
+    # -- the decision -------------------------------------------------------------------------------
+
+    def choose(self, slots: Sequence[SlotView], available: set[int] | None = None,
+               width: int | None = None, probe_ks: set[int] | None = None) -> int:
+        """k for the next step. `available`: draft variants that run without compiling (k = 0 always
+        does); `probe_ks`: variants a probe may use (an eager draft counts; default `available`)."""
+        width = width if width is not None else len(slots)
+        available = {0} | (available if available is not None else set(range(1, self.k_max + 1)))
+        rates = self.last_rates = self.rates(slots, width)
+        ready = {k: r for k, r in rates.items() if k in available}
+        best = max(ready, key=ready.get) if ready else 0
+        compile = self._worth_compiling(rates, ready, best)
+        choice = compile if compile is not None else best
+        self.reason = "compile" if compile is not None else "best"
+        self._since_probe += 1
+        if self._since_probe >= self.probe_interval:
+            probe = self._probe(choice, rates, probe_ks if probe_ks is not None else available)
+            if probe is not None:
+                self._since_probe = 0
+                # a probe that changes nothing waits longer next time; k > 0 winning resets it
+                self.probe_interval = (min(2 * self.probe_interval, self.max_interval) if choice == 0
+                                       else FIRST_PROBE_INTERVAL)
+                choice, self.reason = probe, "probe"
+        self.last_choice = choice
+        return choice
+
+    def _worth_compiling(self, rates: dict[int, float], ready: dict[int, float], best: int) -> int | None:
+        if not ready:
+            return None
+        remaining = self.horizon_tokens - self._produced if self.horizon_tokens is not None else self._produced
+        best_rate = ready[best]
+        for k, rate in sorted(rates.items(), key=lambda kr: -kr[1]):
+            if k in ready or rate < best_rate * (1 + MIN_GAIN):
+                continue
+            saved = remaining * (1.0 / best_rate - 1.0 / rate)
+            if saved >= COMPILE_PAYBACK * self.compile_estimate.get(k, float("inf")):
+                return k
+        return None
+
+    def _probe(self, choice: int, rates: dict[int, float], probe_ks: set[int]) -> int | None:
+        if self.k_max == 0:
+            return None
+        if choice == 0:
+            ks = [k for k in probe_ks if k > 0]
+            if not ks:
+                return None
+            return max(ks, key=lambda k: rates.get(k, 0.0))
+        up = choice + 1
+        return up if up <= self.k_max and up in probe_ks else None
+
+    def summary(self) -> dict:
+        """The policy's current estimates, for the stats file and the progress line."""
+        costs = {}
+        for (width, k), c in sorted(self._costs.items()):
+            costs.setdefault(str(width), {})[str(k)] = round(1000 * c.seconds, 2)
+        return {
+            "policy": "auto",
+            "acceptance_per_position": [round(r, 4) for r in self.job_rates()],
+            "card_acceptance_per_position": [round(p, 4) for p in self.prior],
+            "step_ms": costs,
+            "tokens_per_second": {str(k): round(r, 2) for k, r in sorted(self.last_rates.items())},
+            "probe_interval": self.probe_interval,
+        }
+
+
+def per_position_prior(acceptance_lengths: dict[int, float]) -> list[float]:
+    """A card's mean acceptance length at each K -> the acceptance of position j given 1..j-1.
+
+    With L(K) = 1 + sum_{i<=K} prod_{j<=i} a_j, prod_{j<=i} a_j = L(i) - L(i-1), so
+    a_i = (L(i) - L(i-1)) / (L(i-1) - L(i-2)) with L(0) = 1 and L(-1) = 0."""
+    out, previous_run = [], 1.0
+    lengths = {0: 1.0, **acceptance_lengths}
+    for k in range(1, max(acceptance_lengths, default=0) + 1):
+        if k not in lengths or k - 1 not in lengths:
+            break
+        run = max(lengths[k] - lengths[k - 1], 0.0)
+        out.append(min(run / previous_run, 0.99) if previous_run > 1e-9 else 0.0)
+        previous_run = run
+    return out

@@ -1,0 +1,259 @@
+"""Choosing k per step: the policy's decisions, and outputs that stay the target's whatever k does.
+
+- `AdaptivePolicy` on its own (host arithmetic, no model): plain steps when drafts never accept, the
+  largest k when they always do, a variant compiled only when the rest of the job repays it, probes
+  that back off while plain decoding wins.
+- The real runner with a scripted k (0 <-> k > 0 mid-request, every draft method): greedy and seeded
+  sampled outputs equal plain decoding, and after plain steps the draft's cache holds what it would
+  have held had it drafted all along (it caught up on the positions it skipped).
+- `num_speculative_tokens: auto` end to end, with step costs pinned so that the test never depends
+  on the machine's speed.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint
+from checkpoints_dflash import tiny_dflash_config, write_dflash_checkpoint
+from test_mtp import write_mtp_target
+from test_speculative import oracle_for, prompts, run
+
+from specgen.job import build_runner, resolve
+from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy, SlotView, per_position_prior
+from specgen.pipelines.runner import Runner
+from specgen.pipelines.unified import UnifiedStep
+from specgen.recipe import recipe_from_dict
+
+# ------------------------------------------------------------------------------- the policy alone
+
+WIDTH = 4
+SLOTS = [SlotView(b, 10_000) for b in range(WIDTH)]
+
+
+def policy_with(costs: dict[int, float], k_max: int = 3, prior: float = 0.5, **kw) -> AdaptivePolicy:
+    policy = AdaptivePolicy(k_max, [prior] * k_max, **kw)
+    for k, seconds in costs.items():
+        policy.set_cost(k, WIDTH, seconds)
+    return policy
+
+
+def drive(policy: AdaptivePolicy, accepts, steps: int, available=frozenset({1, 2, 3})) -> list[int]:
+    """`steps` decisions; every slot accepts `accepts(k)` of the k drafted."""
+    choices = []
+    for _ in range(steps):
+        k = policy.choose(SLOTS, set(available), WIDTH)
+        choices.append(k)
+        for b in range(WIDTH):
+            policy.observe_block(b, k, accepts(k))
+    return choices
+
+
+CPU_LIKE = {0: 0.040, 1: 0.043, 2: 0.046, 3: 0.049}      # verifying k + 1 rows costs little more
+
+
+def test_plain_steps_when_drafts_never_accept():
+    choices = drive(policy_with(CPU_LIKE), lambda k: 0, 400)
+    late = choices[-200:]
+    assert late.count(0) >= 0.95 * len(late)          # only the probes draft
+    assert 0 < sum(k > 0 for k in late)                # ... and they still happen
+
+
+def test_largest_k_when_drafts_always_accept():
+    choices = drive(policy_with(CPU_LIKE, prior=0.1), lambda k: k, 200)
+    assert choices[-100:].count(3) >= 95
+
+
+def test_the_right_k_follows_the_cost_of_verifying_more_rows():
+    # acceptance 0.6 everywhere; when a step's cost grows with its rows (a GPU at large batch) fewer
+    # drafts win than when verifying more rows is almost free (a CPU at batch 1)
+    # E(k) = 1, 1.6, 1.96, 2.18 tokens per step
+    assert drive(policy_with(CPU_LIKE, prior=0.6), lambda k: 0, 1)[0] == 3
+    assert drive(policy_with({k: 0.04 * (1 + 0.5 * k) for k in range(4)}, prior=0.6), lambda k: 0, 1)[0] == 1
+    assert drive(policy_with({k: 0.04 * (1 + k) for k in range(4)}, prior=0.6), lambda k: 0, 1)[0] == 0
+
+
+def test_a_variant_is_compiled_only_when_the_job_repays_it():
+    # k = 3 would triple throughput, but compiling it takes 100 s
+    costs = {0: 0.040, 3: 0.050}
+
+    def decide(horizon: int) -> int:
+        policy = policy_with(costs, prior=0.99, horizon_tokens=horizon, compile_estimate={3: 100.0})
+        return policy.choose(SLOTS, set(), WIDTH)
+
+    assert decide(1_000) == 0               # saves ~7 s: not worth 100 s of compiling
+    assert decide(1_000_000) == 3
+
+
+def test_probes_back_off_while_plain_decoding_wins():
+    policy = policy_with(CPU_LIKE, max_interval=32)
+    choices = drive(policy, lambda k: 0, 600)
+    probes = [i for i, k in enumerate(choices) if k > 0]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[0] < gaps[-1] and max(gaps) <= 32
+
+
+def test_per_position_prior_from_acceptance_lengths():
+    # a1 = 0.5, a2 = 0.4, a3 = 0.25: L1 = 1.5, L2 = 1.7, L3 = 1.75
+    assert per_position_prior({1: 1.5, 2: 1.7, 3: 1.75}) == pytest.approx([0.5, 0.4, 0.25])
+    assert per_position_prior({}) == []
+
+
+# ------------------------------------------------------------------- the runner with a scripted k
+
+
+class ScriptedPolicy(FixedPolicy):
+    """k from a fixed cycle, whatever happens (K_max = the largest k in it)."""
+
+    def __init__(self, schedule: list[int]) -> None:
+        super().__init__(max(schedule))
+        self.cycle = itertools.cycle(schedule)
+
+    def choose(self, *args, **kwargs) -> int:
+        return next(self.cycle)
+
+
+# 0 <-> k > 0 both ways, k up and down, plain runs longer than a block (a real catch-up)
+SCHEDULE = [0, 0, 3, 1, 0, 2, 0, 0, 0, 0, 0, 3, 3, 0, 1, 1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 2]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    config = tiny_llama_config(num_nextn_predict_layers=1)
+    target = write_mtp_target(root / "target", config)      # carries an MTP layer for method mtp
+    return {
+        "target": target,
+        "eagle3": write_eagle3_checkpoint(root / "eagle3", tiny_eagle3_config(config), config),
+        "dflash": write_dflash_checkpoint(root / "dflash", tiny_dflash_config(config, layers=2, block_size=8)),
+    }
+
+
+def recipe(checkpoints, method: str, k="auto", batch: int = 4, **sampling):
+    draft = {"method": method, "num_speculative_tokens": k}
+    if method in ("eagle3", "dflash"):
+        draft["model"] = str(checkpoints[method])
+    if method == "none":
+        draft = {"method": "none"}
+    return recipe_from_dict({
+        "target": {"model": str(checkpoints["target"])}, "draft": draft,
+        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
+        "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 128, "compile": False},
+        "chat_template": False,
+    })
+
+
+def scripted_runner(checkpoints, method: str, schedule: list[int], *, batch: int = 4, draft=None,
+                    **sampling) -> Runner:
+    r = recipe(checkpoints, method, k=max(schedule), batch=batch, **sampling)
+    base, _, _ = build_runner(r, resolve(r), r.sampling.seed)
+    step = base.unified if draft is None else UnifiedStep(base.unified.target, draft)
+    return Runner(step, batch_size=base.batch_size, max_seq_len=base.max_seq_len, rules=base.rules,
+                  sampling=base.sampling, seed=base.seed, device=base.device, dtype=torch.float32,
+                  policy=ScriptedPolicy(schedule))
+
+
+def plain_outputs(checkpoints, batch: int = 4, **sampling):
+    r = recipe(checkpoints, "none", batch=batch, **sampling)
+    return run(build_runner(r, resolve(r), r.sampling.seed)[0], prompts())[0]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "dflash"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}], ids=["greedy", "seeded"])
+def test_switching_k_mid_request_keeps_the_output(checkpoints, method, sampling):
+    plain = plain_outputs(checkpoints, **sampling)
+    spec, totals = run(scripted_runner(checkpoints, method, SCHEDULE, **sampling), prompts())
+    assert spec == plain
+    assert totals.k_steps[0] > 0 and sum(totals.k_steps[1:]) > 0 and totals.spec.num_drafts > 0
+
+
+def test_every_switch_with_an_oracle_draft(checkpoints):
+    """The oracle is right most of the time, so blocks of every length meet every kind of switch."""
+    ids = prompts()
+    plain = plain_outputs(checkpoints)
+    oracle = oracle_for(ids, plain, 3)
+    spec, totals = run(scripted_runner(checkpoints, "eagle3", SCHEDULE, draft=oracle), ids)
+    assert spec == plain
+    assert totals.spec.acceptance_histogram[0] > 0 and totals.spec.acceptance_histogram[3] > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "dflash"])
+def test_the_draft_catches_up_on_the_positions_plain_steps_skipped(checkpoints, method):
+    """One request: drafting all along, and with runs of plain steps, leave the same draft cache."""
+    prompt = prompts(lengths=(9,))
+    runs = {}
+    for name, schedule in (("always", [2]), ("switching", [0, 0, 0, 0, 0, 0, 0, 2, 0, 1, 0, 0, 0, 0, 2])):
+        runner = scripted_runner(checkpoints, method, schedule, batch=1)
+        out, _ = run(runner, prompt, max_tokens=40)
+        runs[name] = (out, runner.state.draft_len[0].item(), runner.caches.draft.tensors())
+    assert runs["always"][0] == runs["switching"][0]
+    covered = min(runs["always"][1], runs["switching"][1])
+    assert covered > 30
+    for a, b in zip(runs["always"][2], runs["switching"][2]):
+        torch.testing.assert_close(a[0, :, :covered], b[0, :, :covered], atol=1e-5, rtol=1e-4)
+
+
+# ---------------------------------------------------------------------------- auto, end to end
+
+
+class PinnedCosts(AdaptivePolicy):
+    """Step costs set by the test, not measured: decisions independent of the machine."""
+
+    def observe_step(self, k, width, seconds) -> None:
+        pass
+
+
+def auto_runner(checkpoints, draft=None, **sampling) -> Runner:
+    r = recipe(checkpoints, "eagle3", k="auto", **sampling)
+    base, _, _ = build_runner(r, resolve(r), r.sampling.seed)
+    step = base.unified if draft is None else UnifiedStep(base.unified.target, draft)
+    policy = PinnedCosts(step.k, [0.3] * step.k)
+    runner = Runner(step, batch_size=base.batch_size, max_seq_len=base.max_seq_len, rules=base.rules,
+                    sampling=base.sampling, seed=base.seed, device=base.device, dtype=torch.float32,
+                    policy=policy)
+    runner.warm_up()
+    for k in range(step.k + 1):
+        policy.set_cost(k, runner.batch_size, 0.040 + 0.003 * k)
+    return runner
+
+
+def test_auto_is_lossless_and_plain_for_a_draft_that_never_agrees(checkpoints):
+    plain = plain_outputs(checkpoints)
+    spec, totals = run(auto_runner(checkpoints), prompts())
+    assert spec == plain
+    assert totals.k_steps[0] > 0.7 * totals.steps       # random draft: mostly plain steps
+
+
+def test_auto_drafts_the_most_for_a_draft_that_is_always_right(checkpoints):
+    ids = prompts()
+    plain = plain_outputs(checkpoints)
+    right = oracle_for(ids, plain, 4)
+    right.wrong = lambda where: torch.zeros_like(where, dtype=torch.bool)
+    spec, totals = run(auto_runner(checkpoints, draft=right), ids)
+    assert spec == plain
+    assert totals.k_steps[4] > 0.6 * totals.steps
+
+
+def test_auto_recipe_runs_and_reports_its_choices(tmp_path):
+    """A recipe with `num_speculative_tokens: auto` through `run_job` (real tokenizer, text prompts)."""
+    import json
+
+    from specgen.job import run_job
+
+    config = tiny_llama_config(vocab_size=300)
+    target = write_mtp_target(tmp_path / "target", config)
+    draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config), config)
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i} " * (i + 1)}) + "\n"
+                                    for i in range(5)))
+    r = recipe({"target": target, "eagle3": draft}, "eagle3", k="auto")
+    summary = run_job(r, prompts=str(prompts_file), output=str(tmp_path / "out.jsonl"))
+    assert summary.stats["errors"] == 0
+    speculation = summary.stats["speculation"]
+    assert speculation["policy"] == "auto" and sum(speculation["k_steps"]) == summary.stats["steps"] > 0
+    assert len(speculation["acceptance_per_position"]) == r.draft.k_max == 4
+    # every request's steps are counted by k, plain ones included
+    spec = summary.stats["spec"]
+    assert len(spec["k_histogram"]) == 5 and sum(spec["k_histogram"]) >= summary.stats["steps"]
