@@ -1,15 +1,18 @@
 """`specgen bench` as a library call: speculative configurations against their baselines, in one process.
 
 Contract: `run_bench(recipes, options)` measures, on the same prompts, weights and settings:
-- each recipe's speculative configuration (several recipes, or `--all-drafts`, side by side);
+- each recipe's speculative configuration (several recipes, or `--all-drafts`, side by side), and
+  the same recipe at every other K in `ks` (integers, or `auto`: the adaptive policy);
 - `ar`: the same target with `draft.method: none`;
-- `hf`: transformers' `generate` on the same weights (bench/hf.py).
+- `hf`: transformers' `generate` on the same weights, in a process of its own (bench/hf.py).
 Per batch size, every configuration first runs once untimed (warm-up: compilation, caches; its wall
 time is reported as what a user's first job pays), then the timed runs are INTERLEAVED (config A,
 B, C, A, B, C, ...) `repeats` times, so drift of the machine's speed hits all alike; throughputs are
 medians. Acceptance statistics (vLLM's definitions) add up over the timed runs. The time split of a
 step comes from one more run of an eager twin of each configuration with a `PhaseTimer`
 (pipelines/phases.py): compiled steps cannot be split without breaking their graph.
+`step_ratio` is a configuration's wall time per step over `ar`'s (what a step of it costs against a
+plain one: the acceptance length it needs to break even); `k_histogram` how often `auto` chose each k.
 Every output token is counted the same way for all configurations: greedy decoding to EOS or
 `max_tokens`, so all of them produce the same tokens (the lossless guarantee) and tokens/s compare.
 The one exception is a recipe with `sampling.relaxed_acceptance`: it is lossy inside reasoning spans,
@@ -51,6 +54,7 @@ class BenchOptions:
     max_tokens: int = 128
     baselines: tuple[str, ...] = ("ar", "hf")
     repeats: int = 2
+    ks: tuple[int | str, ...] = ()        # more K settings per recipe (ints, "auto")
 
 
 @dataclass(slots=True)
@@ -64,7 +68,9 @@ class Measurement:
     spec: dict | None = None              # SpecCounters.to_dict() over the timed runs
     split_ms: dict[str, float] | None = None   # eager step: ms per step by phase
     step_ms: float | None = None          # timed runs: wall ms per step (all phases, as configured)
+    step_ratio: float | None = None       # step_ms over ar's
     peak_memory_bytes: int | None = None
+    shares_runner_of: str | None = None   # ran on that config's compiled step: its warm-up is what it added
     speedup_vs_ar: float | None = None
     speedup_vs_hf: float | None = None
 
@@ -95,8 +101,27 @@ def _label(recipe: Recipe) -> str:
     if not d.enabled:
         return "ar"
     k = f" K={d.num_speculative_tokens}" if d.num_speculative_tokens else ""
+    if d.adaptive:
+        k = f" K=auto (0..{d.k_max})" if d.k_max else " K=auto"
     lossy = " relaxed (lossy)" if recipe.sampling.relaxed_acceptance is not None else ""
     return f"{d.method}{k}{lossy}"
+
+
+def with_k(recipe: Recipe, k: int | str | None) -> Recipe | None:
+    """The recipe with K set to `k` (None: as it is); None when that is the recipe's own setting."""
+    d = recipe.draft
+    if k is None:
+        return recipe
+    if not d.enabled or k == d.num_speculative_tokens:
+        return None
+    if k == "auto":
+        from specgen.recipe import DEFAULT_MAX_SPECULATIVE_TOKENS, K_FROM_DRAFT
+
+        # as if the recipe said `num_speculative_tokens: auto` (its own max, else the method's default)
+        k_max = (d.max_speculative_tokens if d.max_speculative_tokens is not None or d.method in K_FROM_DRAFT
+                 else DEFAULT_MAX_SPECULATIVE_TOKENS)
+        return replace(recipe, draft=replace(d, num_speculative_tokens="auto", max_speculative_tokens=k_max))
+    return replace(recipe, draft=replace(d, num_speculative_tokens=int(k), max_speculative_tokens=None))
 
 
 def _peak_rss() -> int:
@@ -152,7 +177,10 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
     configs: list[tuple[str, Recipe | None, object]] = []
     if "ar" in options.baselines:
         configs.append(("ar", replace(base, draft=replace(base.draft, method="none")), resolved))
-    for n, (recipe, checkpoints) in enumerate(zip(recipes, found)):
+    variants = [(with_k(r, k), c) for r, c in zip(recipes, found) for k in (None, *options.ks)]
+    for n, (recipe, checkpoints) in enumerate(variants):
+        if recipe is None or (not recipe.draft.enabled and "ar" in options.baselines):
+            continue                        # (a recipe without a draft is the ar baseline itself)
         label = _label(recipe)
         if any(label == name for name, _, _ in configs):       # two recipes of one method and K
             label = f"{label} ({recipe.source.stem if recipe.source else n + 1})"
@@ -176,28 +204,80 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
     return report
 
 
+def _family(recipe: Recipe) -> Recipe:
+    """The recipe with K left out: configurations of one family differ only in how they choose k."""
+    return replace(recipe, draft=replace(recipe.draft, num_speculative_tokens=None, max_speculative_tokens=None))
+
+
+def plan_shared_runners(configs) -> dict[str, str]:
+    """config name -> the config whose runner it runs on (itself, or its family's lead).
+
+    A runner compiles verify once for every T and each draft variant once: fixed K = 1, 2, 3 and
+    `auto` of one draft run on ONE runner (the auto one, or the largest K), each with its own policy,
+    instead of compiling the same step four times. A fixed K above an auto's K_max keeps its own."""
+    lead_of: dict[str, str] = {}
+    families: list[tuple[Recipe, list[tuple[str, Recipe]]]] = []
+    for name, recipe, _ in configs:
+        if recipe is None or not recipe.draft.enabled:
+            lead_of[name] = name
+            continue
+        family = _family(recipe)
+        for f, members in families:
+            if f == family:
+                members.append((name, recipe))
+                break
+        else:
+            families.append((family, [(name, recipe)]))
+    for _, members in families:
+        autos = [(n, r) for n, r in members if r.draft.adaptive]
+        fixed = sorted(((n, r) for n, r in members if isinstance(r.draft.num_speculative_tokens, int)),
+                       key=lambda nr: -nr[1].draft.num_speculative_tokens)
+        lead, lead_recipe = autos[0] if autos else fixed[0] if fixed else members[0]
+        bound = lead_recipe.draft.k_max       # None: the draft's own (DFlash's block_size - 1)
+        for n, r in members:
+            k = r.draft.num_speculative_tokens
+            shares = n != lead and isinstance(k, int) and (bound is None or k <= bound)
+            lead_of[n] = lead if shares else n
+    return lead_of
+
+
 def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolved, base, target, tokenizer,
                     build_runner, status) -> list[Measurement]:
     """Warm-up, interleaved timed repeats, then the eager time split, for one batch size."""
-    runners, measurements = {}, {}
+    from specgen.pipelines.policy import FixedPolicy
+
+    runners, measurements, policies = {}, {}, {}
     counters: dict[str, SpecCounters | None] = {name: None for name, _, _ in configs}
     steps = {name: [0, 0.0] for name, _, _ in configs}        # steps and seconds over the timed runs
+    lead_of = plan_shared_runners(configs)
+    by_name = {name: (recipe, checkpoints) for name, recipe, checkpoints in configs}
+    # leads first: a shared runner is built (with its own policy) before the configs that borrow it
+    order = sorted(configs, key=lambda c: lead_of[c[0]] != c[0])
     try:
-        for name, recipe, checkpoints in configs:
+        for name, recipe, checkpoints in order:
             status(f"batch {batch}: warming up {name}")
             start = time.perf_counter()
+            lead = lead_of[name]
             if recipe is None:
-                from specgen.bench.hf import HFGenerate
+                from specgen.bench.hf import HFProcess
 
-                runners[name] = HFGenerate(resolved.target_folder, resolved.device, resolved.dtype,
-                                           base.sampling, tokenizer)
+                runners[name] = HFProcess(resolved.target_folder, resolved.device, resolved.dtype,
+                                          base.sampling.ignore_eos, torch.get_num_threads())
                 runners[name].generate(prompts[:batch], batch, options.max_tokens)
             else:
-                runners[name] = _specgen_runner(recipe, checkpoints, batch, options, prompts, target,
-                                                tokenizer, build_runner)
+                if lead == name:
+                    runners[name] = _specgen_runner(recipe, checkpoints, batch, options, prompts, target,
+                                                    tokenizer, build_runner)
+                    policies[name] = runners[name].policy
+                else:
+                    runners[name] = runners[lead]
+                    policies[name] = FixedPolicy(int(recipe.draft.num_speculative_tokens))
+                runners[name].use_policy(policies[name])
                 _run_specgen(runners[name], prompts[:batch], options.max_tokens, "warm")
             measurements[name] = Measurement(name, batch, [], 0, time.perf_counter() - start,
-                                             runners[name].compiled)
+                                             runners[name].compiled,
+                                             shares_runner_of=lead if lead != name else None)
+        measurements = {name: measurements[name] for name, _, _ in configs}   # the configs' order
         for repeat in range(options.repeats):
             for name, recipe, _ in configs:     # interleaved: machine drift hits every config alike
                 status(f"batch {batch}: {name}, run {repeat + 1} of {options.repeats}")
@@ -206,19 +286,21 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                 if recipe is None:
                     tokens, seconds = runners[name].generate(prompts, batch, options.max_tokens)
                 else:
+                    runners[name].use_policy(policies[name])
                     totals, seconds = _run_specgen(runners[name], prompts, options.max_tokens, f"r{repeat}")
                     tokens = totals.output_tokens
                     steps[name][0] += totals.steps
                     steps[name][1] += seconds
                     if totals.spec.num_speculative_tokens:
-                        if counters[name] is None:
-                            counters[name] = SpecCounters(totals.spec.num_speculative_tokens)
-                        counters[name].merge(totals.spec)
+                        if counters[name] is None:      # a fixed K on a shared runner counts its own K
+                            k = recipe.draft.num_speculative_tokens
+                            counters[name] = SpecCounters(int(k) if isinstance(k, int) else 0)
+                        counters[name].merge(totals.spec.narrowed(counters[name].num_speculative_tokens))
                 m.samples.append(tokens / seconds)
                 m.output_tokens = tokens
                 m.peak_memory_bytes = max(m.peak_memory_bytes or 0, _peak_memory(resolved.device))
     finally:
-        for runner in runners.values():     # before the eager twins: their caches need the room
+        for runner in {id(r): r for r in runners.values()}.values():   # before the eager twins
             runner.close()
     for name, recipe, checkpoints in configs:
         m = measurements[name]
@@ -233,6 +315,8 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
     for m in measurements.values():
         if ar is not None:
             m.speedup_vs_ar = m.tokens_per_second / ar.tokens_per_second
+            if m.step_ms is not None and ar.step_ms:
+                m.step_ratio = m.step_ms / ar.step_ms
         if hf is not None:
             m.speedup_vs_hf = m.tokens_per_second / hf.tokens_per_second
     return list(measurements.values())
@@ -245,9 +329,9 @@ def _specgen_runner(recipe: Recipe, resolved, batch: int, options: BenchOptions,
     runtime = replace(recipe.runtime, batch_size=batch,
                       compile=recipe.runtime.compile if compile is None else compile)
     recipe = replace(recipe, sampling=sampling, runtime=runtime)
-    expected = (options.repeats + 1) * len(prompts) * options.max_tokens // batch
-    runner, _, _ = build_runner(recipe, resolved, 0, expected_steps=expected, target=target,
-                                tokenizer=tokenizer)
+    tokens = (options.repeats + 1) * len(prompts) * options.max_tokens
+    runner, _, _ = build_runner(recipe, resolved, 0, expected_steps=tokens // batch, target=target,
+                                tokenizer=tokenizer, expected_tokens=tokens)
     return runner
 
 

@@ -2,8 +2,10 @@
 
 JSON fields per measurement: config, batch_size, tokens_per_second (median), samples, speedup_vs_ar,
 speedup_vs_hf, mean_acceptance_length, draft_acceptance_rate, acceptance_rate_per_position,
-acceptance_histogram, num_drafts, step_ms (timed runs), split_ms (eager twin: target / verify /
-draft / prefill / host / total, ms per step), warmup_seconds, compiled, peak_memory_bytes, output_tokens.
+acceptance_histogram, num_drafts, k_histogram (steps per k drafted: `auto` chooses), step_ms (timed
+runs), step_ratio (step_ms over ar's), split_ms (eager twin: target / verify / draft / prefill / host /
+total, ms per step), warmup_seconds, shares_runner_of (the config whose compiled step it ran on; its
+warm-up is then what it added), compiled, peak_memory_bytes, output_tokens.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from specgen.bench.measure import BenchReport, Measurement
 
 FIELDS = ("config", "batch_size", "tokens_per_second", "samples", "speedup_vs_ar", "speedup_vs_hf",
           "mean_acceptance_length", "draft_acceptance_rate", "acceptance_rate_per_position",
-          "acceptance_histogram", "num_drafts", "step_ms", "split_ms", "warmup_seconds", "compiled",
-          "peak_memory_bytes", "output_tokens")
+          "acceptance_histogram", "num_drafts", "k_histogram", "step_ms", "step_ratio", "split_ms",
+          "warmup_seconds", "shares_runner_of", "compiled", "peak_memory_bytes", "output_tokens")
 
 
 def measurement_dict(m: Measurement) -> dict:
@@ -33,7 +35,8 @@ def measurement_dict(m: Measurement) -> dict:
         "draft_acceptance_rate": spec.get("draft_acceptance_rate"),
         "acceptance_rate_per_position": spec.get("acceptance_rate_per_position"),
         "acceptance_histogram": spec.get("acceptance_histogram"), "num_drafts": spec.get("num_drafts"),
-        "step_ms": m.step_ms, "split_ms": m.split_ms, "warmup_seconds": m.warmup_seconds,
+        "k_histogram": spec.get("k_histogram"), "step_ms": m.step_ms, "step_ratio": m.step_ratio,
+        "split_ms": m.split_ms, "warmup_seconds": m.warmup_seconds, "shares_runner_of": m.shares_runner_of,
         "compiled": m.compiled, "peak_memory_bytes": m.peak_memory_bytes, "output_tokens": m.output_tokens,
     }
 
@@ -61,12 +64,22 @@ def _x(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}x"
 
 
+def _k_shares(histogram: list[int] | None) -> str:
+    """How often each k ran, when it varied (`auto`): "0:12% 1:80% 2:8%"."""
+    steps = sum(histogram or [])
+    used = [(k, n) for k, n in enumerate(histogram or []) if n]
+    if not steps or len(used) < 2:
+        return "-" if not used else f"{used[0][0]}"
+    return " ".join(f"{k}:{n / steps:.0%}" for k, n in used)
+
+
 def table(report: BenchReport) -> Table:
     t = Table(title=f"specgen bench: {report.num_prompts} prompts ({report.prompts}), "
                     f"{report.options.max_tokens} max new tokens, {report.device}, {report.dtype}, "
                     f"{report.threads} threads, median of {report.options.repeats}")
     for name in ("batch", "config", "tok/s", "vs ar", "vs hf", "accept len", "accept rate",
-                 "per position", "step ms", "split ms (eager): target/verify/draft/host", "warm-up s"):
+                 "per position", "steps by k", "step ms (x ar)", "split ms (eager): target/verify/draft/host",
+                 "warm-up s"):
         t.add_column(name, justify="left" if name in ("config", "per position") else "right")
     for m in report.measurements:
         d = measurement_dict(m)
@@ -74,12 +87,19 @@ def table(report: BenchReport) -> Table:
         split_text = ("-" if not split else
                       "/".join(f"{split.get(p, 0):.0f}" for p in ("target", "verify", "draft", "host")))
         rates = d["acceptance_rate_per_position"]
+        step = "-" if m.step_ms is None else f"{m.step_ms:.1f}"
+        if m.step_ratio is not None:
+            step += f" ({m.step_ratio:.2f}x)"
         t.add_row(str(m.batch_size), m.config, f"{m.tokens_per_second:,.1f}", _x(m.speedup_vs_ar),
                   _x(m.speedup_vs_hf),
                   "-" if d["mean_acceptance_length"] is None else f"{d['mean_acceptance_length']:.2f}",
                   "-" if d["draft_acceptance_rate"] is None else f"{d['draft_acceptance_rate']:.0%}",
-                  "-" if not rates else " ".join(f"{r:.0%}" for r in rates),
-                  "-" if m.step_ms is None else f"{m.step_ms:.0f}", split_text, f"{m.warmup_seconds:.0f}")
+                  "-" if not rates else " ".join("-" if r is None else f"{r:.0%}" for r in rates),
+                  _k_shares(d["k_histogram"]), step, split_text,
+                  f"{m.warmup_seconds:.0f}" + (" +" if m.shares_runner_of else ""))
+    if any(m.shares_runner_of for m in report.measurements):
+        t.caption = ("warm-up s \"N +\": N seconds on top of the compiled step it shares with its draft's "
+                     "other K settings (verify compiled once for every K; each draft variant once)")
     return t
 
 
@@ -99,7 +119,7 @@ def write_png(report: BenchReport, path: Path) -> None:
         rows = [m for m in report.measurements if m.config == config]
         spec = next((m.spec for m in rows if m.spec), None)
         if spec and spec.get("acceptance_rate_per_position"):
-            rates = spec["acceptance_rate_per_position"]
+            rates = [float("nan") if r is None else r for r in spec["acceptance_rate_per_position"]]
             left.plot(range(1, len(rates) + 1), rates, marker="o", color=color,
                       label=f"{config} (len {spec['mean_acceptance_length']:.2f})")
         speed = {m.batch_size: m.speedup_vs_ar for m in rows if m.speedup_vs_ar is not None}
