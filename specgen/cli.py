@@ -191,6 +191,8 @@ def bench(
     plot: Annotated[Path | None, typer.Option(help="PNG (default: next to the JSON report).")] = None,
     all_drafts: Annotated[bool, typer.Option("--all-drafts", help="Add every recipe beside the first that "
                                                                    "drafts for the same target.")] = False,
+    split: Annotated[bool, typer.Option(help="Time split of a step per phase (an eager twin of each "
+                                             "configuration, after the timed runs).")] = True,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field of every recipe: a.b=value.")] = None,
 ) -> None:
     """Speed-up of speculative decoding over plain decoding and transformers, on the same prompts."""
@@ -226,7 +228,7 @@ def bench(
     from specgen.bench.measure import BenchError, BenchOptions, run_bench
     from specgen.bench.report import table, write_json, write_png
 
-    options = BenchOptions(prompts, limit, sizes, max_tokens, chosen, repeats, extra_ks)
+    options = BenchOptions(prompts, limit, sizes, max_tokens, chosen, repeats, extra_ks, split)
     out = output or Path("outputs") / f"bench-{paths[0].stem}.json"
     png = plot or out.with_suffix(".png")
     try:

@@ -55,6 +55,7 @@ class BenchOptions:
     baselines: tuple[str, ...] = ("ar", "hf")
     repeats: int = 2
     ks: tuple[int | str, ...] = ()        # more K settings per recipe (ints, "auto")
+    split: bool = True                    # the eager twins' time split of a step
 
 
 @dataclass(slots=True)
@@ -308,6 +309,7 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             m.spec = counters[name].to_dict()
         if recipe is not None:
             m.step_ms = 1000 * steps[name][1] / max(1, steps[name][0])
+        if recipe is not None and options.split:
             status(f"batch {batch}: time split of {name} (eager)")
             m.split_ms = _time_split(recipe, checkpoints, batch, options, prompts, target, tokenizer,
                                      build_runner)
