@@ -16,8 +16,8 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   forgets old blocks (exponential decay), so both follow the job. A position no step has reached yet
   takes the card's figure scaled by how the job's first position compares with the card's.
 - cost(width, k) is the measured wall time of a step that drafted k (the draft call, the verify of
-  k + 1 rows per slot and the host's share), profiled at warm-up and refined online (an average
-  that forgets slowly, with outliers clipped). Acceptance alone cannot choose k: on a CPU verifying
+  k + 1 rows per slot and the host's share), profiled at warm-up and refined online (the median
+  of its recent steps: one odd step moves nothing). Acceptance alone cannot choose k: on a CPU verifying
   k + 1 rows costs little more than one, while on a GPU at large batch it costs k + 1 times as much.
 - Variants that do not exist yet (a draft of k tokens not compiled) cost their compile time: the
   policy compiles k only when the time it is expected to save over the rest of the job
@@ -26,12 +26,16 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   (the best k > 0 that runs without compiling, or an eager draft), which also lets the draft catch
   up on the positions it skipped. A probe that confirms k = 0 doubles the interval (up to
   `max_interval`, which keeps every catch-up inside the draft's window); a win resets it. While some
-  k > 0 wins, every `probe_interval` steps one step tries k + 1, so the next position stays measured.
+  k > 0 wins, every `probe_interval` steps one step tries k + 1 or, now and then (more often when it
+  comes close), k - 1: the next position stays measured, and so does the cost of the cheaper variant
+  (plain decoding's, for k = 1), which otherwise nothing would refresh.
 Nothing here touches a tensor: the policy is host-side arithmetic on a few floats per slot.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,10 +44,13 @@ JOB_PRIOR_WEIGHT = 12.0
 SLOT_PRIOR_WEIGHT = 6.0
 JOB_DECAY = 0.995          # per observed draft position: the job forgets over ~200 blocks
 SLOT_DECAY = 0.9           # a slot over ~10 blocks
-COST_WEIGHT = 0.1          # weight of a new step time in the running cost
+COST_WINDOW = 15           # a variant's cost: the median of its last 15 steps
+PROFILE_WEIGHT = 2         # ... where the warm-up's profile counts as 2 of them
 MIN_GAIN = 0.03            # a variant must beat the current best by this much to be compiled
 COMPILE_PAYBACK = 2.0      # ... and save this many times its compile time over the horizon
 FIRST_PROBE_INTERVAL = 8
+DOWN_PROBE_CLOSE = 0.85    # a cheaper variant within 15% of the best is probed every other probe,
+DOWN_PROBE_EVERY = 4       # ... others every 4th
 
 
 @dataclass(slots=True)
@@ -97,17 +104,27 @@ class _Acceptance:
         return [(s + weight * p) / (n + weight) for s, n, p in zip(self.accepts, self.attempts, prior)]
 
 
-@dataclass(slots=True)
 class _Cost:
-    seconds: float
-    samples: int = 0
+    """A variant's step time: the median of its last COST_WINDOW observed steps. A profiled figure
+    counts as PROFILE_WEIGHT observations, so one odd step (the first after a bucket change, a GC
+    pause) never replaces it: a mean did, and a plain step measured once at 1.5x its cost kept a
+    demo job on k = 1 (52.6 ms estimated for k = 0, ~30 ms true)."""
+
+    __slots__ = ("recent",)
+
+    def __init__(self, seconds: float, profiled: bool) -> None:
+        self.recent: deque[float] = deque([seconds] * (PROFILE_WEIGHT if profiled else 1), maxlen=COST_WINDOW)
 
     def add(self, seconds: float) -> None:
-        if self.samples >= 3:           # a GC pause or a page fault is not the variant's cost
-            seconds = min(seconds, 3.0 * self.seconds)
-        self.samples += 1
-        weight = max(COST_WEIGHT, 1.0 / self.samples)
-        self.seconds += weight * (seconds - self.seconds)
+        self.recent.append(seconds)
+
+    @property
+    def samples(self) -> int:
+        return len(self.recent)
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.recent)
 
 
 @dataclass
@@ -122,6 +139,7 @@ class AdaptivePolicy:
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)
     probe_interval: int = field(init=False, default=FIRST_PROBE_INTERVAL)
     _since_probe: int = field(init=False, default=0)
+    _since_down: int = field(init=False, default=0)     # probes since the last one that went down
     _produced: float = field(init=False, default=0.0)
     last_choice: int = field(init=False, default=0)
     reason: str = field(init=False, default="best")      # best | compile | probe
@@ -153,13 +171,13 @@ class AdaptivePolicy:
     def observe_step(self, k: int, width: int, seconds: float) -> None:
         cost = self._costs.get((width, k))
         if cost is None:
-            self._costs[(width, k)] = _Cost(seconds, 1)
+            self._costs[(width, k)] = _Cost(seconds, profiled=False)
         else:
             cost.add(seconds)
 
     def set_cost(self, k: int, width: int, seconds: float) -> None:
         """A profiled (warm-up) or estimated cost, before any step of that variant ran."""
-        self._costs[(width, k)] = _Cost(seconds, 0)
+        self._costs[(width, k)] = _Cost(seconds, profiled=True)
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -223,8 +241,8 @@ class AdaptivePolicy:
         self._since_probe += 1
         if self._since_probe >= self.probe_interval:
             probe = self._probe(choice, rates, probe_ks if probe_ks is not None else available)
+            self._since_probe = 0
             if probe is not None:
-                self._since_probe = 0
                 # a probe that changes nothing waits longer next time; k > 0 winning resets it
                 self.probe_interval = (min(2 * self.probe_interval, self.max_interval) if choice == 0
                                        else FIRST_PROBE_INTERVAL)
@@ -253,8 +271,17 @@ class AdaptivePolicy:
             if not ks:
                 return None
             return max(ks, key=lambda k: rates.get(k, 0.0))
-        up = choice + 1
-        return up if up <= self.k_max and up in probe_ks else None
+        up, down = choice + 1, choice - 1
+        can_up = up <= self.k_max and up in probe_ks
+        can_down = down == 0 or down in probe_ks
+        # down when the cheaper variant is close (a cost error could flip the choice) every other
+        # probe, else every DOWN_PROBE_EVERY-th: a winning k pays little for keeping it measured
+        close = rates.get(down, 0.0) >= DOWN_PROBE_CLOSE * rates.get(choice, 0.0)
+        self._since_down += 1
+        if can_down and self._since_down >= (2 if close else DOWN_PROBE_EVERY):
+            self._since_down = 0
+            return down
+        return up if can_up else None
 
     def summary(self) -> dict:
         """The policy's current estimates, for the stats file and the progress line."""
