@@ -12,23 +12,29 @@ from specgen.bench.report import FIELDS
 from specgen.cli import app
 
 
-def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
-    config = tiny_llama_config(vocab_size=300)
-    target = write_llama_checkpoint(tmp_path / "target", config)
-    draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config, draft_vocab_size=200), config)
-    recipe = tmp_path / "spec.yaml"
+def bench(tmp_path, target, draft: dict, *args: str):
+    """`specgen bench` on a one-recipe job of 4 prompts (eager, 1 thread); returns (result, report path)."""
+    recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
-        "target": {"model": str(target)},
-        "draft": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2},
+        "target": {"model": str(target)}, "draft": draft,
         "runtime": {"device": "cpu", "max_seq_len": 128, "compile": False, "threads": 1},
         "chat_template": False}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"question {i} " * (i + 1)}) + "\n" for i in range(4)))
     out = tmp_path / "report.json"
-    result = CliRunner().invoke(app, ["bench", str(recipe), "--prompts", str(prompts), "--limit", "3",
-                                      "--batch-sizes", "1,2", "--max-tokens", "6", "--repeats", "2",
-                                      "--ks", "1,auto", "--output", str(out)], terminal_width=200)
+    result = CliRunner().invoke(app, ["bench", str(recipe), "--prompts", str(prompts), *args, "--output", str(out)],
+                                terminal_width=200)
+    return result, out
+
+
+def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    config = tiny_llama_config(vocab_size=300)
+    target = write_llama_checkpoint(tmp_path / "target", config)
+    draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config, draft_vocab_size=200), config)
+    result, out = bench(tmp_path, target, {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2},
+                        "--limit", "3", "--batch-sizes", "1,2", "--max-tokens", "6", "--repeats", "2",
+                        "--ks", "1,auto")
     assert result.exit_code == 0, result.output
     assert "eagle3 K=2" in result.output and "vs hf" in result.output
     report = json.loads(out.read_text())
@@ -66,17 +72,9 @@ def test_hf_in_bench_runs_as_fast_as_hf_alone(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
     config = tiny_llama_config(vocab_size=300, num_hidden_layers=8)
     target = write_llama_checkpoint(tmp_path / "target", config)
-    recipe = tmp_path / "ar.yaml"
-    recipe.write_text(yaml.safe_dump({
-        "target": {"model": str(target)}, "draft": {"method": "none"},
-        "runtime": {"device": "cpu", "max_seq_len": 128, "compile": False, "threads": 1},
-        "chat_template": False}))
+    result, out = bench(tmp_path, target, {"method": "none"}, "--limit", "4", "--batch-sizes", "1",
+                        "--max-tokens", "24", "--repeats", "5", "--baselines", "ar,hf")
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"question {i} " * (i + 1)}) + "\n" for i in range(4)))
-    out = tmp_path / "report.json"
-    result = CliRunner().invoke(app, ["bench", str(recipe), "--prompts", str(prompts), "--limit", "4",
-                                      "--batch-sizes", "1", "--max-tokens", "24", "--repeats", "5",
-                                      "--baselines", "ar,hf", "--output", str(out)], terminal_width=200)
     assert result.exit_code == 0, result.output
     in_bench = next(r for r in json.loads(out.read_text())["results"] if r["config"] == "hf")
     # The same job in a process of its own: same prompts (tokenised by bench's own function), threads,

@@ -8,9 +8,12 @@ Other draft variants compile on first use (`compiled_ks` says which exist; `comp
 what each cost), so a job pays only for the k its policy actually runs.
 
 Variants are few by construction:
-- verify is compiled ONCE (`fullgraph`) for every T = rows per slot, 1 (plain decoding) included:
-  `rows` is an arange whose length is a dynamic size, compiled "size-oblivious" so that T = 1 does
-  not get a graph of its own. The attended key count is a dynamic size too (`key_index`, an arange
+- verify is compiled TWICE (`fullgraph`): T = 1 row per slot, the plain decoding step, gets the
+  static graph `draft.method: none` runs (Dynamo specialises a size of 1), and every T >= 2 shares
+  one graph where `rows`, an arange, has a dynamic length. (One graph for T = 1 too, compiled
+  size-oblivious, ran plain steps 1.6x slower than a plain job after a cold compile on 2 EPYC cores:
+  57.8 ms a plain step against 35.4 for a plain job, prefill included, so `auto` never reached plain
+  speed.) The attended key count is a dynamic size too (`key_index`, an arange
   whose length is the bound): one graph serves every length bucket. On CUDA the attention kernel
   reads per-row lengths, the bound is the allocation, and each (T, bucket) is one CUDA graph
   (Inductor's `triton.cudagraphs`, state and caches at static addresses);
@@ -33,7 +36,6 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config as inductor_config
-import torch.fx.experimental._config as fx_config
 
 from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep
 from specgen.sampling import SamplingTensors
@@ -96,9 +98,7 @@ def _under_settings(compiled, freezing: bool, device: torch.device):
     """Inductor reads `freezing` (and the GEMM settings) from its global config when it compiles,
     and it compiles at a call (the first, or a recompile), not at torch.compile():
     `options={"freezing": ...}` never reaches it (measured: no weight was folded or prepacked). So
-    every call runs under the settings; the patch costs microseconds against a step of milliseconds.
-    Shapes are compiled size-oblivious: a dynamic size that is 1 at the first call (T = 1, one
-    slot) stays dynamic instead of getting a graph of its own."""
+    every call runs under the settings; the patch costs microseconds against a step of milliseconds."""
     # size_asserts off: the generated wrapper re-checks every input's shape and strides at each
     # call, which the guards already did (measured with the guard filter below: EAGLE-3 K = 2 on
     # SmolLM2, batch 1, 2 AMD EPYC cores, 42.0 -> 38.8 ms per step)
@@ -107,7 +107,7 @@ def _under_settings(compiled, freezing: bool, device: torch.device):
         settings.update(CPU_FROZEN_SETTINGS)
 
     def call(*args):
-        with inductor_config.patch(settings), fx_config.patch(backed_size_oblivious=True):
+        with inductor_config.patch(settings):
             return compiled(*args)
     return call
 
@@ -261,7 +261,7 @@ class StepFunctions:
             self.prefill(batch)
         self.state.active.zero_()
         # CUDA graphs: the first calls run eagerly, the next records; then replays. Every T a step
-        # may verify is recorded here (one compiled function; on CUDA a graph per T).
+        # may verify is recorded here (T = 1 and T >= 2 are two graphs; on CUDA a graph per T).
         ts = range(1, self.unified.k + 2) if self.cuda_graphs else (1, self.unified.k + 1)
         for _ in range(3 if self.cuda_graphs else 1):
             for k in ks:

@@ -2,7 +2,7 @@
 
 Contract: `calibrate(policy, functions, kv_len, slots)` runs with every slot inactive (nothing
 advances; every write lands in scratch entries) and:
-- times verify at every T = 1..K_max + 1 (one compiled function serves them all, so this compiles
+- times verify at every T = 1..K_max + 1 (two compiled graphs serve them all, so this compiles
   nothing) and the draft of every k that runs without compiling (every k when steps run eagerly);
 - for draft variants that would need compiling, estimates their compiled time (their eager time
   scaled by verify's compiled/eager ratio) and their compile time (verify's, scaled by how much
