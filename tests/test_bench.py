@@ -68,38 +68,53 @@ def test_hf_in_bench_runs_as_fast_as_hf_alone(tmp_path, monkeypatch):
     bench's own process, after specgen's configurations, at half the speed it has alone."""
     import subprocess
     import sys
+    import textwrap
 
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
     config = tiny_llama_config(vocab_size=300, num_hidden_layers=8)
     target = write_llama_checkpoint(tmp_path / "target", config)
-    result, out = bench(tmp_path, target, {"method": "none"}, "--limit", "4", "--batch-sizes", "1",
-                        "--max-tokens", "24", "--repeats", "5", "--baselines", "ar,hf")
-    prompts = tmp_path / "prompts.jsonl"
-    assert result.exit_code == 0, result.output
-    in_bench = next(r for r in json.loads(out.read_text())["results"] if r["config"] == "hf")
-    # The same job in a process of its own: same prompts (tokenised by bench's own function), threads,
-    # batch and stopping rule; as many runs after a warm-up. Both sides compare their FASTEST run: a
-    # busy machine only ever slows a run down, so the best of a few is the speed each setting allows.
-    script = f"""
-import json, torch
-from pathlib import Path
-from specgen.bench.hf import HFGenerate
-from specgen.checkpoints.tokenizer import load_tokenizer
-from specgen.data import read_prompts, tokenize_prompt
-torch.set_num_threads(1)
-folder = Path({str(target)!r})
-tokenizer = load_tokenizer(folder, {config["vocab_size"]})
-ids = [tokenize_prompt(r, tokenizer, False, {{}}) for r in read_prompts({str(prompts)!r})]
-model = HFGenerate(folder, torch.device("cpu"), torch.float32, False, tokenizer)
-model.generate(ids[:1], 1, 24)
-runs = [model.generate(ids, 1, 24) for _ in range(5)]
-print(json.dumps(max(t / s for t, s in runs)))
-"""
-    # Two processes, five runs each: this shared 2-core VM has spells ~30% slower (specgen's own
-    # `ar` too, CPU time as much as wall time); the best of several runs is the speed a setting allows.
-    alone_rate = 0.0
-    for _ in range(2):
-        alone = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-        assert alone.returncode == 0, alone.stderr[-2000:]
-        alone_rate = max(alone_rate, json.loads(alone.stdout.strip().splitlines()[-1]))
-    assert abs(max(in_bench["samples"]) / alone_rate - 1) <= 0.15, (in_bench["samples"], alone_rate)
+
+    def compare() -> tuple[list[float], float]:
+        result, out = bench(tmp_path, target, {"method": "none"}, "--limit", "4", "--batch-sizes", "1",
+                            "--max-tokens", "24", "--repeats", "5", "--baselines", "ar,hf")
+        prompts = tmp_path / "prompts.jsonl"
+        assert result.exit_code == 0, result.output
+        in_bench = next(r for r in json.loads(out.read_text())["results"] if r["config"] == "hf")
+        # The same job in a process of its own: same prompts (tokenised by bench's own function), threads,
+        # batch and stopping rule; as many runs after a warm-up. Both sides compare their FASTEST run: a
+        # busy machine only ever slows a run down, so the best of a few is the speed each setting allows.
+        script = f"""
+    import json, torch
+    from pathlib import Path
+    from specgen.bench.hf import HFGenerate
+    from specgen.checkpoints.tokenizer import load_tokenizer
+    from specgen.data import read_prompts, tokenize_prompt
+    torch.set_num_threads(1)
+    folder = Path({str(target)!r})
+    tokenizer = load_tokenizer(folder, {config["vocab_size"]})
+    ids = [tokenize_prompt(r, tokenizer, False, {{}}) for r in read_prompts({str(prompts)!r})]
+    model = HFGenerate(folder, torch.device("cpu"), torch.float32, False, tokenizer)
+    model.generate(ids[:1], 1, 24)
+    runs = [model.generate(ids, 1, 24) for _ in range(5)]
+    print(json.dumps(max(t / s for t, s in runs)))
+    """
+        # Two processes, five runs each: this shared 2-core VM has spells ~30% slower (specgen's own
+        # `ar` too, CPU time as much as wall time); the best of several runs is the speed a setting allows.
+        alone_rate = 0.0
+        for _ in range(2):
+            alone = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=600)
+            assert alone.returncode == 0, alone.stderr[-2000:]
+            alone_rate = max(alone_rate, json.loads(alone.stdout.strip().splitlines()[-1]))
+        return in_bench["samples"], alone_rate
+
+    # This shared 2-core VM has spells of 30% and more, in either process; the bug this guards
+    # against (hf at half speed inside bench) shows in every attempt, a spell rarely in three.
+    attempts = []
+    for _ in range(3):
+        samples, alone_rate = compare()
+        attempts.append((samples, alone_rate))
+        if abs(max(samples) / alone_rate - 1) <= 0.15:
+            break
+    else:
+        raise AssertionError(f"hf in bench vs alone differ by more than 15% in 3 attempts: {attempts}")
+

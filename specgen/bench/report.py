@@ -99,7 +99,7 @@ def table(report: BenchReport) -> Table:
                   f"{m.warmup_seconds:.0f}" + (" +" if m.shares_runner_of else ""))
     if any(m.shares_runner_of for m in report.measurements):
         t.caption = ("warm-up s \"N +\": N seconds on top of the compiled step it shares with its draft's "
-                     "other K settings (verify compiled once for every K; each draft variant once)")
+                     "other K settings (verify compiled once for every K >= 1; each draft variant once)")
     return t
 
 
