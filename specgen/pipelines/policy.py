@@ -64,6 +64,8 @@ class SlotView:
 class FixedPolicy:
     """Always the same k (a pinned `num_speculative_tokens`)."""
 
+    reason = "best"            # a fixed k never probes
+
     def __init__(self, k: int) -> None:
         self.k = k
 

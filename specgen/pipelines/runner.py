@@ -320,7 +320,7 @@ class Runner:
         if k > 0:
             # a probe of a variant that was never compiled runs its draft eagerly: the policy
             # compiles only what it decided pays (pipelines/policy.py)
-            probe = getattr(self.policy, "reason", "best") == "probe" and k not in ready
+            probe = self.policy.reason == "probe" and k not in ready
             compiles = self.compiled and not probe and k not in ready
             before = functions.compile_seconds.get(k, 0.0)
             functions.draft(kv_len, max(self.gaps[b] for b in live), k, eager=probe)
