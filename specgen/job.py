@@ -285,8 +285,8 @@ CPU_COMPILE_MIN_STEPS = {"frozen": 1800, "not frozen": 800}
 
 
 def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | None,
-                   rows: int) -> tuple[bool, str]:
-    """`runtime.compile` resolved: (compile?, why) for the run's header. `rows`: tokens per step."""
+                   slots: int) -> tuple[bool, str]:
+    """`runtime.compile` resolved: (compile?, why) for the run's header. `slots`: the batch size."""
     setting = recipe.runtime.compile
     if setting is not None:
         return setting, "runtime.compile"
@@ -294,7 +294,7 @@ def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | N
         return True, "auto: CUDA graphs"
     if expected_steps is None:
         return False, "auto: job size unknown"
-    needed = CPU_COMPILE_MIN_STEPS["frozen" if freezes(device, rows) else "not frozen"]
+    needed = CPU_COMPILE_MIN_STEPS["frozen" if freezes(device, slots) else "not frozen"]
     if expected_steps >= needed:
         return True, f"auto: about {expected_steps} steps, long enough to pay back compiling"
     return False, (f"auto: about {expected_steps} steps, too few to pay back compiling "
@@ -362,7 +362,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                                      [s.min_p] * b, r.device)
     rules = StopRules(eos, tuple(s.stop), s.ignore_eos,
                       lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    compile, why_compile = decide_compile(recipe, r.device, expected_steps, b * (step.k + 1))
+    compile, why_compile = decide_compile(recipe, r.device, expected_steps, b)
     if compile:
         use_compile_cache(cache_root() / "compiled")
     policy = None

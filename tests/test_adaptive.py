@@ -160,7 +160,7 @@ def recipe(checkpoints, method: str, k="auto", batch: int = 4, **sampling):
     if method == "none":
         draft = {"method": "none"}
     return recipe_from_dict({
-        "target": {"model": str(checkpoints["target"])}, "draft": draft,
+        "target": {"model": str(checkpoints["target"]), "dtype": "float32"}, "draft": draft,
         "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
         "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 128, "compile": False},
         "chat_template": False,

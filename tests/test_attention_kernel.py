@@ -78,3 +78,25 @@ def test_choose_splits_fills_the_device_but_keeps_splits_long():
     assert ak.choose_splits(batch=1, kv_heads=8, tiles=1, max_len=4096, num_sms=132) == 16
     assert ak.choose_splits(batch=64, kv_heads=8, tiles=1, max_len=4096, num_sms=132) == 1
     assert ak.choose_splits(batch=1, kv_heads=8, tiles=1, max_len=300, num_sms=132) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("Hq,Hkv,D", [(9, 3, 64), (8, 1, 48)])
+def test_row_invariant_reference_gives_a_query_the_same_bits_beside_drafts(dtype, Hq, Hkv, D):
+    """The decode step's attention: a query's output does not depend on how many queries after it
+    share the call (a token verified beside drafts == the same token decoded alone), and it is the
+    same attention as SDPA's up to rounding."""
+    q, k_cache, v_cache, rows, positions = case(2, 5, Hq, Hkv, D, L=300, dtype=dtype)
+    key_index = torch.arange(290)
+
+    def attention(t: int, invariant: bool = True) -> torch.Tensor:
+        return ak.attention_reference(q[:, :t], k_cache, v_cache, rows, ak.causal_mask(positions[:, :t], key_index),
+                                      row_invariant=invariant)
+
+    alone = attention(1)
+    for t in (2, 3, 5):
+        beside = attention(t)
+        assert torch.equal(beside[:, :1], alone), t
+        assert beside.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(attention(5), attention(5, invariant=False), atol=tolerance, rtol=tolerance)

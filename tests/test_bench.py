@@ -16,7 +16,7 @@ def bench(tmp_path, target, draft: dict, *args: str):
     """`specgen bench` on a one-recipe job of 4 prompts (eager, 1 thread); returns (result, report path)."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
-        "target": {"model": str(target)}, "draft": draft,
+        "target": {"model": str(target), "dtype": "float32"}, "draft": draft,
         "runtime": {"device": "cpu", "max_seq_len": 128, "compile": False, "threads": 1},
         "chat_template": False}))
     prompts = tmp_path / "prompts.jsonl"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -82,3 +83,30 @@ print(json.dumps(out))
 
     first, second = tokens(1, True), tokens(2, True)          # the second hits the disk cache
     assert first == tokens(1, False) and second == tokens(2, False) and first != second
+
+
+def test_compiled_speculative_step_equals_plain_decoding_in_bfloat16(tmp_path):
+    """In bf16 a row's numbers depend on more than its inputs (GEMM kernels, attention's blocking,
+    where a fused kernel rounds): verifying a token beside K drafts must still compute what a plain
+    job (`draft.method: none`, its own compiled step) computes for it, to the bit, or greedy outputs
+    part. SmolLM2's head layout (64-wide heads, 3 query heads per KV head), K pinned to 3 with a
+    random draft: each step verifies 4 rows and keeps about 1."""
+    from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
+
+    from specgen.pipelines.policy import FixedPolicy
+
+    config = tiny_llama_config(hidden_size=384, intermediate_size=512, num_attention_heads=6,
+                               num_key_value_heads=2, head_dim=64)
+    target = write_llama_checkpoint(tmp_path / "target", config)
+    draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config), config)
+    ids = prompts(lengths=(3, 11, 6, 9, 14, 5))
+
+    def bf16(recipe):
+        return dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, dtype="bfloat16"))
+
+    plain, _ = run(runner_for(bf16(make_recipe(target, batch=1, compile=True))), ids, max_tokens=40)
+    runner = runner_for(bf16(make_recipe(target, draft, k=3, batch=1, compile=True)))
+    runner.use_policy(FixedPolicy(3))
+    spec, totals = run(runner, ids, max_tokens=40)
+    assert totals.k_steps[3] == totals.steps > 0
+    assert spec == plain

@@ -69,7 +69,7 @@ def recipe(target, method="none", draft=None, k=3, batch=4, stochastic=False, co
         if draft is not None:
             d["model"] = str(draft)
     return recipe_from_dict({
-        "target": {"model": str(target)}, "draft": d,
+        "target": {"model": str(target), "dtype": "float32"}, "draft": d,
         "sampling": {"max_tokens": 20, "ignore_eos": True, "seed": 7, **sampling},
         "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 80, "compile": compile},
         "chat_template": False,

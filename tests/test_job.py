@@ -15,20 +15,20 @@ def recipe(compile=None):
 
 
 def test_auto_compiles_on_cuda_and_only_long_jobs_on_cpu():
-    assert decide_compile(recipe(), CUDA, 10, rows=8)[0] is True
-    short, why = decide_compile(recipe(), CPU, 100, rows=16)
+    assert decide_compile(recipe(), CUDA, 10, slots=8)[0] is True
+    short, why = decide_compile(recipe(), CPU, 100, slots=16)
     assert short is False and "about 100 steps, too few" in why and "runtime.compile: true" in why
-    # many rows per step (above CPU_FREEZE_MAX_ROWS): not frozen, which compiles faster
-    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["not frozen"], rows=128)[0] is True
-    # few rows per step: weights are frozen, which compiles longer, so the job must be longer
-    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["not frozen"], rows=4)[0] is False
-    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["frozen"], rows=4)[0] is True
-    assert decide_compile(recipe(), CPU, None, rows=4) == (False, "auto: job size unknown")
+    # many slots (above CPU_FREEZE_MAX_SLOTS): not frozen, which compiles faster
+    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["not frozen"], slots=128)[0] is True
+    # few slots: weights are frozen, which compiles longer, so the job must be longer
+    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["not frozen"], slots=4)[0] is False
+    assert decide_compile(recipe(), CPU, CPU_COMPILE_MIN_STEPS["frozen"], slots=4)[0] is True
+    assert decide_compile(recipe(), CPU, None, slots=4) == (False, "auto: job size unknown")
 
 
 def test_an_explicit_setting_always_wins():
-    assert decide_compile(recipe(True), CPU, 1, rows=1) == (True, "runtime.compile")
-    assert decide_compile(recipe(False), CUDA, 10**6, rows=64) == (False, "runtime.compile")
+    assert decide_compile(recipe(True), CPU, 1, slots=1) == (True, "runtime.compile")
+    assert decide_compile(recipe(False), CUDA, 10**6, slots=64) == (False, "runtime.compile")
 
 
 def test_memory_estimate_counts_weights_caches_and_transients():

@@ -15,7 +15,12 @@ queries), stops at each row's own length, and splits long rows over several prog
 flash-decoding does) whose partial results are merged by their log-sum-exp.
 
 `attention_reference` is the same contract in PyTorch (SDPA over the first `kv_len` cache positions
-with a causal mask), the CPU path and the test oracle. `cached_attention` is the kernel registered as
+with a causal mask), the CPU path and the test oracle. With `row_invariant` (the decode step) it is
+written out in float32 instead of SDPA: each query row's output is then the same bits whatever other
+rows share the call. SDPA's CPU kernel is not: a query verified beside K drafts came out of it
+differently than the same query alone (bf16: up to 5e-4, and 12 of the 24 demo prompts then
+decoded other greedy tokens than plain decoding; fp32 differs in the last bits), which breaks
+"speculative output == plain output" for reasons that have nothing to do with the drafts. `cached_attention` is the kernel registered as
 the opaque custom op `specgen::cached_attention`, so torch.compile and CUDA graphs call it as one
 extern node (Inductor never re-emits its source).
 """
@@ -42,7 +47,7 @@ def causal_mask(positions: torch.Tensor, key_index: torch.Tensor) -> torch.Tenso
 
 def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         rows: torch.Tensor | None, mask: torch.Tensor,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, row_invariant: bool = False) -> torch.Tensor:
     """SDPA over the first kv_len positions of the cache (kv_len = mask.shape[-1]).
 
     GQA is packed like the kernel does it: the G query heads of a KV head become G * T query rows
@@ -59,10 +64,41 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # would make the compiled step specialise on T (it serves every T: pipelines/compiled.py).
     packed = (q.view(B, T, kv_heads, group, D).permute(0, 2, 1, 3, 4)
               .clone(memory_format=torch.contiguous_format).view(B, kv_heads, T * group, D))
-    out = F.scaled_dot_product_attention(packed, keys.to(q.dtype), values.to(q.dtype), scale=scale,
-                                         attn_mask=mask.repeat_interleave(group, dim=2))
+    mask = mask.repeat_interleave(group, dim=2)
+    if row_invariant:
+        out = _rowwise_attention(packed, keys, values, mask, scale if scale is not None else D ** -0.5,
+                                 group).to(q.dtype)
+    else:
+        out = F.scaled_dot_product_attention(packed, keys.to(q.dtype), values.to(q.dtype), scale=scale,
+                                             attn_mask=mask)
     return (out.view(B, kv_heads, T, group, D).permute(0, 2, 1, 3, 4)
             .clone(memory_format=torch.contiguous_format).view(B, T, Hq, D))
+
+
+def _rowwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                       scale: float, group: int) -> torch.Tensor:
+    # q: [B, H, T*G, D]; keys, values: [B, H, L, Dv]; mask: [B, 1 | H, T*G, L] -> [B, H, T*G, Dv] float32
+    # Float32 throughout, as SDPA keeps its scores. A matmul's rows are NOT independent of how many
+    # there are (BLAS picks its kernel, and so the order of the sums, by shape: fp32 scores of one
+    # query differed in the last bit beside 1, 2 or 4 more), nor of the number of keys (a compiled
+    # GEMM blocks its sum by a size hint: the plain job's graph and the speculative one's were
+    # compiled at other key counts), so:
+    # - compiled, both products are written as sums that Inductor emits as plain reduction loops
+    #   (scores: over D, innermost; values: over the keys, in order), the same whatever T or L is;
+    # - eager, each query position is its own matmul of G rows (the same shape whatever T is).
+    B, H, M, D = q.shape
+    t, L = M // group, keys.shape[-2]
+    q, keys, values = q.float().view(B, H, t, group, D), keys.float(), values.float()
+    if torch.compiler.is_compiling():
+        scores = (q.unsqueeze(-2) * keys.view(B, H, 1, 1, L, D)).sum(-1)                     # [B, H, t, G, L]
+    else:
+        scores = torch.stack([q[:, :, i] @ keys.transpose(-1, -2) for i in range(t)], dim=2)
+    probs = (scores * scale).masked_fill(~mask.view(B, -1, t, group, L), float("-inf")).softmax(dim=-1)
+    if torch.compiler.is_compiling():
+        out = (probs.unsqueeze(-1) * values.view(B, H, 1, 1, L, -1)).sum(-2)                 # [B, H, t, G, Dv]
+    else:
+        out = torch.stack([probs[:, :, i] @ values for i in range(t)], dim=2)
+    return out.view(B, H, M, -1)
 
 
 # ---------------------------------------------------------------------------------------------------

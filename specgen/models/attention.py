@@ -70,17 +70,21 @@ class AttentionBatch:
     mask: torch.Tensor | None        # [B, 1, T, kv_len] causal mask (reference path only)
     use_kernel: bool
     num_sms: int = 1                 # kernel path: SMs to fill by splitting rows (1: never split)
+    # reference path: each query row's output independent of the other rows (the decode step, where
+    # a token verified beside drafts must come out as it does alone; kernels/attention.py)
+    row_invariant: bool = False
 
     @classmethod
     def build(cls, positions: torch.Tensor, rows: torch.Tensor | None, key_index: torch.Tensor,
-              use_kernel: bool, num_sms: int = 1) -> AttentionBatch:
+              use_kernel: bool, num_sms: int = 1, row_invariant: bool = False) -> AttentionBatch:
         mask = None if use_kernel else kernel.causal_mask(positions, key_index)
-        return cls(positions, rows, key_index, mask, use_kernel, num_sms)
+        return cls(positions, rows, key_index, mask, use_kernel, num_sms, row_invariant)
 
     def at(self, positions: torch.Tensor) -> AttentionBatch:
         """The same rows and key bound at other positions (a draft's chained passes)."""
         mask = None if self.use_kernel else kernel.causal_mask(positions, self.key_index)
-        return AttentionBatch(positions, self.rows, self.key_index, mask, self.use_kernel, self.num_sms)
+        return AttentionBatch(positions, self.rows, self.key_index, mask, self.use_kernel, self.num_sms,
+                              self.row_invariant)
 
     def cache_rows(self, batch: int, device) -> torch.Tensor:
         return self.rows if self.rows is not None else torch.arange(batch, device=device)
@@ -93,7 +97,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
     cache.write(layer, rows, batch.positions, k, v)
     if not batch.use_kernel:
         return kernel.attention_reference(q, cache.k[layer], cache.v[layer], batch.rows, batch.mask,
-                                          scale)
+                                          scale, batch.row_invariant)
     scale = scale if scale is not None else q.shape[-1] ** -0.5
     splits = 1
     if batch.num_sms > 1:   # decode: split long rows over programs (prefill has programs enough)

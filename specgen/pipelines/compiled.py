@@ -41,12 +41,14 @@ from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, Unifi
 from specgen.sampling import SamplingTensors
 
 
-CPU_FREEZE_MAX_ROWS = 64
+CPU_FREEZE_MAX_SLOTS = 64
 
 
-def freezes(device: torch.device, rows: int) -> bool:
-    """Whether a compiled step of `rows` tokens folds its weights in (see StepFunctions)."""
-    return device.type == "cpu" and rows <= CPU_FREEZE_MAX_ROWS
+def freezes(device: torch.device, slots: int) -> bool:
+    """Whether a compiled step over `slots` slots folds its weights in (see StepFunctions). Decided by
+    the slots, not the step's rows: the speculative step and plain decoding at one batch size must
+    take the same GEMM kernels (CPU_FROZEN_SETTINGS), whatever K."""
+    return device.type == "cpu" and slots <= CPU_FREEZE_MAX_SLOTS
 
 
 def use_compile_cache(directory: Path) -> None:
@@ -65,18 +67,46 @@ def use_compile_cache(directory: Path) -> None:
 # Inductor's CPU autotuning calls a deprecated storage API: a warning no user can act on.
 warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
 
-# Frozen CPU steps also take Inductor's C++ GEMM template (weights prepacked into its blocked
-# layout, a micro-kernel per shape) where it wins its autotuning against oneDNN/MKL. A step's GEMMs
-# have few rows (K + 1 per slot), a shape those libraries run far from the memory bound: on 2 cores,
-# SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1 row (frozen, oneDNN), and 19 ms at
-# both with the template. It needs frozen weights (constants to prepack). The autotuning report is
-# kept off the user's terminal.
+# Frozen CPU steps take Inductor's C++ GEMM template (weights prepacked into its blocked layout, a
+# micro-kernel per shape). A step's GEMMs have few rows (K + 1 per slot), a shape oneDNN/MKL run far
+# from the memory bound: on 2 cores, SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1
+# row (frozen, oneDNN), and 19 ms at both with the template. It needs frozen weights (constants to
+# prepack). ATen stays a backend for what the template cannot take, but where it can, the template
+# is taken WITHOUT autotuning (`_template_when_possible`): a row's result must not depend on how many
+# rows the GEMM has, or a token verified beside drafts is not the token plain decoding computes.
+# The template's rows are independent (measured: SmolLM2's five shapes, bf16 and fp32, 1 row static
+# against 2-5 rows dynamic); autotuning took oneDNN for some shapes of one graph and the template in
+# the other, by margins inside the noise of a 2-core VM, and two of those five shapes then gave row 0
+# other bits in bf16. One choice also leaves nothing to benchmark while compiling (the EAGLE-3 demo's
+# cold warm-up on 2 AMD EPYC Zen 4 cores: 337 -> 208 s), and nothing a noisy run can cache.
 CPU_FROZEN_SETTINGS = {
     "max_autotune_gemm": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
     "autotune_num_choices_displayed": 0,
     "max_autotune_report_choices_stats": False,
 }
+
+
+def _template_when_possible(choices: list) -> list:
+    """Inductor's autotuning choices for one GEMM -> the C++ template alone where it is one of them
+    (CPU; see CPU_FROZEN_SETTINGS), else unchanged (CUDA's choices, or ATen alone)."""
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
+
+    templates = [c for c in choices if isinstance(c, CppTemplateCaller)]
+    return templates[:1] if templates else choices
+
+
+_choice_filter_added = False
+
+
+def _take_templates_without_autotuning() -> None:
+    """Install `_template_when_possible` in Inductor's choice selection (once per process)."""
+    global _choice_filter_added
+    if not _choice_filter_added:
+        from torch._inductor.select_algorithm import add_preprocessing_fn
+
+        add_preprocessing_fn(_template_when_possible)
+        _choice_filter_added = True
 
 
 _code_ids = itertools.count(1)
@@ -137,11 +167,12 @@ class StepFunctions:
         # frozen with oneDNN's prepacking only: 47 (plain, 1 row), 95 (EAGLE-3 K = 3, 4 rows);
         # frozen with the C++ template: 19-22 and 30. Batch 8, not frozen / frozen with the
         # template: 8 rows 76.8 / 48.5; 32 rows 181.8 / 163.5; 64 rows 288.7 / 272.2 (oneDNN's
-        # prepacking alone had made 16 rows slower frozen). So freeze every CPU step up to the
-        # sizes measured. Not on CUDA: nothing is prepacked there, and frozen graphs bypass
-        # Inductor's on-disk graph cache.
-        rows = state.pending.numel()
-        self.frozen = freezes(device, rows)
+        # prepacking alone had made 16 rows slower frozen). So freeze every CPU step of up to 64
+        # slots. Not on CUDA: nothing is prepacked there, and frozen graphs bypass Inductor's
+        # on-disk graph cache.
+        self.frozen = freezes(device, state.pending.shape[0])
+        if self.frozen:
+            _take_templates_without_autotuning()
         self._options = {}
         # Each compiled function has a code object of its own (own_code); a few recompiles remain
         # possible (a sampling flag that widens, the prefill's shapes).

@@ -163,8 +163,10 @@ class UnifiedStep:
                   key_index: torch.Tensor) -> AttentionBatch:
         # Only the step splits long rows over several kernel programs: its shapes are static, and a
         # prefill call has programs enough (and dynamic shapes under torch.compile).
+        # The step's rows (rows is None) attend row-invariantly: a verified token's logits are the
+        # same bits as plain decoding's. The prefill, shared by both, keeps SDPA.
         return AttentionBatch.build(positions, rows, key_index, self.use_kernel,
-                                    self.num_sms if rows is None else 1)
+                                    self.num_sms if rows is None else 1, row_invariant=rows is None)
 
     def _pick(self, sampling: SamplingTensors, noise_key: torch.Tensor):
         if not self.stochastic:
