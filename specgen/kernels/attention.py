@@ -20,9 +20,9 @@ written out in float32 instead of SDPA: each query row's output is then the same
 rows share the call. SDPA's CPU kernel is not: a query verified beside K drafts came out of it
 differently than the same query alone (bf16: up to 5e-4, and 12 of the 24 demo prompts then
 decoded other greedy tokens than plain decoding; fp32 differs in the last bits), which breaks
-"speculative output == plain output" for reasons that have nothing to do with the drafts. `cached_attention` is the kernel registered as
-the opaque custom op `specgen::cached_attention`, so torch.compile and CUDA graphs call it as one
-extern node (Inductor never re-emits its source).
+"speculative output == plain output" for reasons that have nothing to do with the drafts.
+`cached_attention` is the kernel registered as the opaque custom op `specgen::cached_attention`, so
+torch.compile and CUDA graphs call it as one extern node (Inductor never re-emits its source).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ kernels and the autotuning choices always: frozen graphs bypass Inductor's graph
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -96,17 +97,12 @@ def _template_when_possible(choices: list) -> list:
     return templates[:1] if templates else choices
 
 
-_choice_filter_added = False
-
-
+@functools.cache
 def _take_templates_without_autotuning() -> None:
     """Install `_template_when_possible` in Inductor's choice selection (once per process)."""
-    global _choice_filter_added
-    if not _choice_filter_added:
-        from torch._inductor.select_algorithm import add_preprocessing_fn
+    from torch._inductor.select_algorithm import add_preprocessing_fn
 
-        add_preprocessing_fn(_template_when_possible)
-        _choice_filter_added = True
+    add_preprocessing_fn(_template_when_possible)
 
 
 _code_ids = itertools.count(1)
