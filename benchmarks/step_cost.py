@@ -25,10 +25,11 @@ RECIPES = {"none": "recipes/smollm2-ar.yaml", "eagle3": "recipes/smollm2-eagle3.
            "dflash": "recipes/smollm2-dflash.yaml", "mtp": "recipes/smollm2-mtp.yaml"}
 
 
-def ms_per_step(method: str, ks: list[int], batch: int, steps: int, compile: bool, dummy: bool) -> dict[int, float]:
+def ms_per_step(method: str, ks: list[int], batch: int, steps: int, compile: bool, dummy: bool,
+                dtype: str = "auto") -> dict[int, float]:
     """{k: wall ms per step} for a runner of `method` (k = 0 only for `none`)."""
     overrides = [f"runtime.batch_size={batch}", "sampling.ignore_eos=true", "train=null",
-                 f"runtime.compile={str(compile).lower()}"]
+                 f"runtime.compile={str(compile).lower()}", f"target.dtype={dtype}"]
     if method != "none":
         overrides += ["draft.num_speculative_tokens=auto", f"draft.max_speculative_tokens={max(ks)}"]
         if dummy:
@@ -59,13 +60,14 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", default=["eagle3", "dflash", "mtp"])
     parser.add_argument("--steps", type=int, default=48)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--dtype", default="auto", help="target.dtype (auto: the recipe's choice)")
     parser.add_argument("--dummy", action="store_true", help="random-init drafts instead of the shipped ones")
     args = parser.parse_args()
     for batch in args.batch_sizes:
-        base = ms_per_step("none", [0], batch, args.steps, args.compile, args.dummy)[0]
+        base = ms_per_step("none", [0], batch, args.steps, args.compile, args.dummy, args.dtype)[0]
         print(f"batch {batch}: none {base:.1f} ms", flush=True)
         for method in args.methods:
-            times = ms_per_step(method, args.ks, batch, args.steps, args.compile, args.dummy)
+            times = ms_per_step(method, args.ks, batch, args.steps, args.compile, args.dummy, args.dtype)
             row = ", ".join(f"K={k} {t:.1f} ms ({t / base:.2f}x)" for k, t in times.items())
             print(f"batch {batch}: {method} {row}", flush=True)
 

@@ -96,11 +96,50 @@ def test_probes_back_off_while_plain_decoding_wins():
 
 
 def test_one_odd_step_does_not_move_a_cost():
-    # the first plain step of a run took 1.5x its profiled time (a demo job then stayed on k = 1)
+    # the first plain step of a run took 1.5x its profiled time (a demo job then stayed on k = 1):
+    # the pace moves a little, every variant with it, and no variant's cost against another's
     policy = policy_with(CPU_LIKE, prior=0.0)
     policy.observe_step(0, WIDTH, 1.5 * CPU_LIKE[0])
-    assert policy.cost(0, WIDTH) == pytest.approx(CPU_LIKE[0])
+    assert policy.cost(0, WIDTH) / policy.cost(1, WIDTH) == pytest.approx(CPU_LIKE[0] / CPU_LIKE[1])
+    assert policy.cost(0, WIDTH) < 1.1 * CPU_LIKE[0]
     assert drive(policy, lambda k: 0, 1) == [0]
+
+
+def test_a_slow_spell_of_the_machine_does_not_make_the_variant_it_hit_look_dear():
+    # k = 1 pays (acceptance 0.5: 1.5 tokens for 1.075x the cost); then the machine runs 40% slower
+    # while k = 1 steps run, and a probe down times a plain step in the same spell: k = 1 still wins.
+    # (Timed without the pace, k = 1 at 1.4 x 43 ms would lose to plain steps' profiled 40 ms.)
+    policy = policy_with(CPU_LIKE, k_max=1, prior=0.5)
+    slow = 1.0
+    choices = []
+    for step in range(200):
+        if step == 50:
+            slow = 1.4
+        k = policy.choose(SLOTS, {1}, WIDTH)
+        choices.append(k)
+        policy.observe_step(k, WIDTH, slow * CPU_LIKE[k])
+        for b in range(WIDTH):
+            policy.observe_block(b, k, step % 2 if k else 0)
+    assert choices[-100:].count(1) >= 90
+    assert policy.cost(1, WIDTH) / policy.cost(0, WIDTH) == pytest.approx(CPU_LIKE[1] / CPU_LIKE[0], rel=0.03)
+    assert policy.cost(0, WIDTH) == pytest.approx(1.4 * CPU_LIKE[0], rel=0.05)
+
+
+def test_no_probe_up_once_the_next_position_cannot_win():
+    # k = 1 wins (position 1 accepts 60%); position 2 never accepts and a step of 2 drafts costs 1.3x
+    # a step of 1: probes up stop once the job has seen enough of position 2, and the probe interval
+    # grows while probes leave the choice at k = 1
+    policy = policy_with({0: 0.040, 1: 0.042, 2: 0.055}, k_max=2, prior=0.6)
+    choices, rng = [], iter(itertools.cycle([1, 1, 1, 0, 0]))
+    for _ in range(600):
+        k = policy.choose(SLOTS, {1, 2}, WIDTH)
+        choices.append(k)
+        for b in range(WIDTH):
+            policy.observe_block(b, k, min(k, next(rng)))
+    ups = [i for i, k in enumerate(choices) if k == 2]
+    assert choices[-100:].count(1) >= 95
+    assert ups and ups[-1] < 300, ups
+    assert policy.probe_interval > 8
 
 
 def test_a_stale_plain_cost_is_measured_again_by_probes():

@@ -19,6 +19,15 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   k + 1 rows per slot and the host's share), profiled at warm-up and refined online (the median
   of its recent steps: one odd step moves nothing). Acceptance alone cannot choose k: on a CPU verifying
   k + 1 rows costs little more than one, while on a GPU at large batch it costs k + 1 times as much.
+  Costs are kept at the machine's pace: a shared VM runs the same step 20-40% slower for minutes at a
+  time, and a variant last timed in a slow spell would otherwise lose to one timed in a fast spell
+  (measured: a demo job's k = 1 estimated at 27 ms against 17 for plain steps, where interleaved
+  steps of the same run took 16.3 and 14.9). Every steady step updates `pace` (an EMA of its time
+  over its variant's cost), and each variant stores its times divided by the pace they ran at. A
+  variant's own cost takes a sample only where its step follows another variant's: through a run of
+  one variant, its time and the machine's pace cannot be told apart, and the pace takes it all (the
+  warm-up's profile times every variant side by side, so the costs start consistent). So variants compare as if timed side by side (a probe is timed
+  beside the steps around it); `cost()` gives them back at today's pace.
 - Variants that do not exist yet (a draft of k tokens not compiled) cost their compile time: the
   policy compiles k only when the time it is expected to save over the rest of the job
   (`horizon_tokens`) is at least twice that cost, so a short job never compiles what it cannot repay.
@@ -28,7 +37,12 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   `max_interval`, which keeps every catch-up inside the draft's window); a win resets it. While some
   k > 0 wins, every `probe_interval` steps one step tries k + 1 or, now and then (more often when it
   comes close), k - 1: the next position stays measured, and so does the cost of the cheaper variant
-  (plain decoding's, for k = 1), which otherwise nothing would refresh.
+  (plain decoding's, for k = 1), which otherwise nothing would refresh. A probe up is made only while
+  k + 1 could still win: with its next position's acceptance at an upper confidence bound (what
+  the job has measured there, plus two standard errors); once the job has seen enough of that
+  position to rule it out, no step pays for drafting it (an uncompiled probe drafts eagerly, at
+  twice a step's cost). Each probe that leaves the choice where it was doubles the interval (up to
+  `max_interval`); a change of choice resets it.
 Nothing here touches a tensor: the policy is host-side arithmetic on a few floats per slot.
 """
 
@@ -51,6 +65,9 @@ COMPILE_PAYBACK = 2.0      # ... and save this many times its compile time over 
 FIRST_PROBE_INTERVAL = 8
 DOWN_PROBE_CLOSE = 0.85    # a cheaper variant within 15% of the best is probed every other probe,
 DOWN_PROBE_EVERY = 4       # ... others every 4th
+PACE_RATE = 0.1            # the machine's pace: an EMA over the last ~10 steps
+PACE_CLAMP = (0.5, 2.0)    # one step moves it by at most this factor of its variant's cost
+UCB_SIGMAS = 2.0           # a probe up assumes the next position accepts this many standard errors better
 
 
 @dataclass(slots=True)
@@ -143,6 +160,9 @@ class AdaptivePolicy:
     _since_probe: int = field(init=False, default=0)
     _since_down: int = field(init=False, default=0)     # probes since the last one that went down
     _produced: float = field(init=False, default=0.0)
+    pace: float = field(init=False, default=1.0)         # today's step time / the stored (profiled) scale
+    _last_timed: tuple[int, int] | None = field(init=False, default=None)   # (width, k) of the last steady step
+    _probed_from: int | None = field(init=False, default=None)  # the choice at the last probe
     last_choice: int = field(init=False, default=0)
     reason: str = field(init=False, default="best")      # best | compile | probe
     last_rates: dict[int, float] = field(init=False, default_factory=dict)
@@ -171,15 +191,21 @@ class AdaptivePolicy:
         self._slots.setdefault(slot, _Acceptance.empty(self.k_max)).add(k, accepted, SLOT_DECAY)
 
     def observe_step(self, k: int, width: int, seconds: float) -> None:
-        cost = self._costs.get((width, k))
+        key = (width, k)
+        cost = self._costs.get(key)
         if cost is None:
-            self._costs[(width, k)] = _Cost(seconds, profiled=False)
+            self._costs[key] = _Cost(seconds / self.pace, profiled=False)
         else:
-            cost.add(seconds)
+            low, high = PACE_CLAMP
+            ratio = min(max(seconds / cost.seconds, low), high)     # this step's pace
+            if key != self._last_timed:
+                cost.add(seconds / self.pace)
+            self.pace += PACE_RATE * (ratio - self.pace)
+        self._last_timed = key
 
     def set_cost(self, k: int, width: int, seconds: float) -> None:
-        """A profiled (warm-up) or estimated cost, before any step of that variant ran."""
-        self._costs[(width, k)] = _Cost(seconds, profiled=True)
+        """A profiled (warm-up) or estimated cost, before any step of that variant ran (at today's pace)."""
+        self._costs[(width, k)] = _Cost(seconds / self.pace, profiled=True)
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -202,19 +228,27 @@ class AdaptivePolicy:
         return total
 
     def cost(self, k: int, width: int) -> float | None:
+        """Seconds a step of k drafts over `width` slots takes at the machine's current pace."""
         exact = self._costs.get((width, k))
         if exact is not None:
-            return exact.seconds
+            return exact.seconds * self.pace
         # another width: the nearest one measured, scaled by rows (eager steps narrow in a run's tail)
         same_k = [(w, c.seconds) for (w, kk), c in self._costs.items() if kk == k]
         if same_k:
             w, seconds = min(same_k, key=lambda wc: abs(wc[0] - width))
-            return seconds * (0.5 + 0.5 * width / w)
+            return seconds * (0.5 + 0.5 * width / w) * self.pace
         return None
 
-    def rates(self, slots: Sequence[SlotView], width: int) -> dict[int, float]:
-        """Expected committed tokens per second for every k with a cost."""
+    def optimistic_job_rates(self, position: int) -> list[float]:
+        """The job's rates with draft position `position` (0-based) at its upper confidence bound."""
         job = self.job_rates()
+        rate, seen = job[position], self._job.attempts[position] + JOB_PRIOR_WEIGHT
+        job[position] = min(0.99, rate + UCB_SIGMAS * (rate * (1 - rate) / seen) ** 0.5)
+        return job
+
+    def rates(self, slots: Sequence[SlotView], width: int, job: list[float] | None = None) -> dict[int, float]:
+        """Expected committed tokens per second for every k with a cost (`job`: other job rates)."""
+        job = job if job is not None else self.job_rates()
         per_slot = [self._slots.get(s.slot, _Acceptance.empty(self.k_max)).rates(job, SLOT_PRIOR_WEIGHT)
                     for s in slots]
         out = {}
@@ -242,12 +276,14 @@ class AdaptivePolicy:
         self.reason = "compile" if compile is not None else "best"
         self._since_probe += 1
         if self._since_probe >= self.probe_interval:
-            probe = self._probe(choice, rates, probe_ks if probe_ks is not None else available)
+            probe = self._probe(choice, rates, probe_ks if probe_ks is not None else available, available,
+                                slots, width)
             self._since_probe = 0
             if probe is not None:
-                # a probe that changes nothing waits longer next time; k > 0 winning resets it
-                self.probe_interval = (min(2 * self.probe_interval, self.max_interval) if choice == 0
-                                       else FIRST_PROBE_INTERVAL)
+                # a probe that changes nothing waits longer next time; a change of choice resets it
+                self.probe_interval = (min(2 * self.probe_interval, self.max_interval)
+                                       if self._probed_from in (None, choice) else FIRST_PROBE_INTERVAL)
+                self._probed_from = choice
                 choice, self.reason = probe, "probe"
         self.last_choice = choice
         return choice
@@ -265,16 +301,18 @@ class AdaptivePolicy:
                 return k
         return None
 
-    def _probe(self, choice: int, rates: dict[int, float], probe_ks: set[int]) -> int | None:
+    def _probe(self, choice: int, rates: dict[int, float], probe_ks: set[int], available: set[int],
+               slots: Sequence[SlotView], width: int) -> int | None:
         if self.k_max == 0:
             return None
         if choice == 0:
-            ks = [k for k in probe_ks if k > 0]
+            # a compiled draft if there is one: an eager probe costs about a step more
+            ks = [k for k in available if k > 0] or [k for k in probe_ks if k > 0]
             if not ks:
                 return None
             return max(ks, key=lambda k: rates.get(k, 0.0))
         up, down = choice + 1, choice - 1
-        can_up = up <= self.k_max and up in probe_ks
+        can_up = up <= self.k_max and up in probe_ks and self._may_win(up, choice, slots, width)
         can_down = down == 0 or down in probe_ks
         # down when the cheaper variant is close (a cost error could flip the choice) every other
         # probe, else every DOWN_PROBE_EVERY-th: a winning k pays little for keeping it measured
@@ -285,11 +323,16 @@ class AdaptivePolicy:
             return down
         return up if can_up else None
 
+    def _may_win(self, k: int, choice: int, slots: Sequence[SlotView], width: int) -> bool:
+        """Whether k drafts beat `choice` with k's last position at its optimistic acceptance."""
+        optimistic = self.rates(slots, width, self.optimistic_job_rates(k - 1))
+        return optimistic.get(k, 0.0) > optimistic.get(choice, 0.0)
+
     def summary(self) -> dict:
         """The policy's current estimates, for the stats file and the progress line."""
         costs = {}
         for (width, k), c in sorted(self._costs.items()):
-            costs.setdefault(str(width), {})[str(k)] = round(1000 * c.seconds, 2)
+            costs.setdefault(str(width), {})[str(k)] = round(1000 * c.seconds * self.pace, 2)
         return {
             "policy": "auto",
             "acceptance_per_position": [round(r, 4) for r in self.job_rates()],
@@ -297,6 +340,7 @@ class AdaptivePolicy:
             "step_ms": costs,
             "tokens_per_second": {str(k): round(r, 2) for k, r in sorted(self.last_rates.items())},
             "probe_interval": self.probe_interval,
+            "pace": round(self.pace, 3),
         }
 
 
