@@ -26,8 +26,9 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   over its variant's cost), and each variant stores its times divided by the pace they ran at. A
   variant's own cost takes a sample only where its step follows another variant's: through a run of
   one variant, its time and the machine's pace cannot be told apart, and the pace takes it all (the
-  warm-up's profile times every variant side by side, so the costs start consistent). So variants compare as if timed side by side (a probe is timed
-  beside the steps around it); `cost()` gives them back at today's pace.
+  warm-up's profile times every variant side by side, so the costs start consistent). So variants
+  compare as if timed side by side (a probe is timed beside the steps around it); `cost()` gives
+  them back at today's pace.
 - Variants that do not exist yet (a draft of k tokens not compiled) cost their compile time: the
   policy compiles k only when the time it is expected to save over the rest of the job
   (`horizon_tokens`) is at least twice that cost, so a short job never compiles what it cannot repay.
