@@ -130,7 +130,7 @@ def test_no_probe_up_once_the_next_position_cannot_win():
     # a step of 1: probes up stop once the job has seen enough of position 2, and the probe interval
     # grows while probes leave the choice at k = 1
     policy = policy_with({0: 0.040, 1: 0.042, 2: 0.055}, k_max=2, prior=0.6)
-    choices, rng = [], iter(itertools.cycle([1, 1, 1, 0, 0]))
+    choices, rng = [], itertools.cycle([1, 1, 1, 0, 0])
     for _ in range(600):
         k = policy.choose(SLOTS, {1, 2}, WIDTH)
         choices.append(k)
