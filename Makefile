@@ -29,8 +29,11 @@ demo: setup
 	$(BIN)/specgen run recipes/smollm2-ar.yaml $(DEMO)
 	$(BIN)/python benchmarks/compare_runs.py outputs/smollm2-eagle3.jsonl outputs/smollm2-ar.jsonl
 
+# The suite is mostly single-threaded Python (tiny models, interpreted Triton, Inductor compiles):
+# one worker per CPU; the few tests that time something run afterwards, alone.
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 
 clean:
 	rm -rf $(VENV) outputs

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
 from typer.testing import CliRunner
@@ -63,6 +64,7 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.serial
 def test_hf_in_bench_runs_as_fast_as_hf_alone(tmp_path, monkeypatch):
     """The hf baseline is transformers the way its users run it: a fresh process. It once ran inside
     bench's own process, after specgen's configurations, at half the speed it has alone."""

@@ -111,10 +111,16 @@ def convert_gguf(gguf: Path, out: Path) -> Path:
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.to_json_file(tmp / "generation_config.json")
         tokenizer.save_pretrained(tmp)
-        # A concurrent converter may have won the race; either result is the same conversion.
-        if not (out / "config.json").is_file():
+        # A concurrent converter (another job, a parallel test worker) may have won the race: its
+        # folder is the same conversion, and it may be in use, so it is never removed. A folder
+        # without a config is a leftover of an older layout: replaced.
+        if out.is_dir() and not (out / "config.json").is_file():
             shutil.rmtree(out, ignore_errors=True)
+        try:
             os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
