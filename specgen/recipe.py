@@ -83,6 +83,9 @@ class DraftSpec:
     num_speculative_tokens: int | str | None = None
     stochastic: bool = False  # sample drafts from q and use full rejection sampling
     max_speculative_tokens: int | None = None  # auto only: the largest k (None: the method's default)
+    # The draft only proposes, so its precision changes how often it is right, never what is kept:
+    # auto = the target's; bfloat16 beside a float32 target keeps its exact output (job.draft_dtype).
+    dtype: str = "auto"
 
     @property
     def enabled(self) -> bool:
@@ -430,7 +433,8 @@ _TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_tem
         "chat_template_kwargs", "reasoning", "train")
 _TRAIN = tuple(TrainSpec.__dataclass_fields__)
 _TARGET = ("model", "dtype", "load_format", "hf_overrides")
-_DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic", "max_speculative_tokens")
+_DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic", "max_speculative_tokens",
+          "dtype")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos",
              "relaxed_acceptance")
 _RELAXED = ("top_k", "delta")
@@ -480,6 +484,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         num_speculative_tokens=k,
         stochastic=check.get(d, "draft.stochastic", _boolean, False),
         max_speculative_tokens=k_max,
+        dtype=check.get(d, "draft.dtype", _choice(DTYPES), "auto"),
     )
 
     s = check.section(data, "sampling", _SAMPLING)

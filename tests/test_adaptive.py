@@ -192,8 +192,9 @@ def checkpoints(tmp_path_factory):
     }
 
 
-def recipe(checkpoints, method: str, k="auto", batch: int = 4, **sampling):
-    draft = {"method": method, "num_speculative_tokens": k}
+def recipe(checkpoints, method: str, k="auto", batch: int = 4, draft_dtype: str = "float32", **sampling):
+    # the draft's dtype pinned: `auto` would make it bf16 on some CPUs and not on others
+    draft = {"method": method, "num_speculative_tokens": k, "dtype": draft_dtype}
     if method in ("eagle3", "dflash"):
         draft["model"] = str(checkpoints[method])
     if method == "none":
@@ -207,8 +208,8 @@ def recipe(checkpoints, method: str, k="auto", batch: int = 4, **sampling):
 
 
 def scripted_runner(checkpoints, method: str, schedule: list[int], *, batch: int = 4, draft=None,
-                    **sampling) -> Runner:
-    r = recipe(checkpoints, method, k=max(schedule), batch=batch, **sampling)
+                    draft_dtype: str = "float32", **sampling) -> Runner:
+    r = recipe(checkpoints, method, k=max(schedule), batch=batch, draft_dtype=draft_dtype, **sampling)
     base, _, _ = build_runner(r, resolve(r), r.sampling.seed)
     step = base.unified if draft is None else UnifiedStep(base.unified.target, draft)
     return Runner(step, batch_size=base.batch_size, max_seq_len=base.max_seq_len, rules=base.rules,
@@ -223,9 +224,12 @@ def plain_outputs(checkpoints, batch: int = 4, **sampling):
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp", "dflash"])
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}], ids=["greedy", "seeded"])
-def test_switching_k_mid_request_keeps_the_output(checkpoints, method, sampling):
+@pytest.mark.parametrize("draft_dtype", ["float32", "bfloat16"])
+def test_switching_k_mid_request_keeps_the_output(checkpoints, method, sampling, draft_dtype):
+    """A float32 target, its draft in float32 or bf16 (drafts/precision.py): the same output."""
     plain = plain_outputs(checkpoints, **sampling)
-    spec, totals = run(scripted_runner(checkpoints, method, SCHEDULE, **sampling), prompts())
+    spec, totals = run(scripted_runner(checkpoints, method, SCHEDULE, draft_dtype=draft_dtype, **sampling),
+                       prompts())
     assert spec == plain
     assert totals.k_steps[0] > 0 and sum(totals.k_steps[1:]) > 0 and totals.spec.num_drafts > 0
 

@@ -47,3 +47,13 @@ def test_memory_estimate_counts_weights_caches_and_transients():
         assert parts["logits workspace"] == 64 * 128256 * 4 * 7               # sampled with top-p
         assert {"attention workspace", "activations", "prefill workspace"} <= parts.keys()
         assert ("CUDA graph pool" in parts) is graphs
+
+
+def test_the_draft_takes_the_targets_dtype_unless_set():
+    import specgen.job as job
+
+    fp32, bf16 = torch.float32, torch.bfloat16
+    assert job.draft_dtype("auto", fp32, CPU) == fp32
+    assert job.draft_dtype("auto", bf16, CUDA) == bf16
+    assert job.draft_dtype("bfloat16", fp32, CPU) == bf16
+    assert job.draft_dtype("float32", bf16, CPU) == fp32

@@ -105,7 +105,8 @@ def _label(recipe: Recipe) -> str:
     if d.adaptive:
         k = f" K=auto (0..{d.k_max})" if d.k_max else " K=auto"
     lossy = " relaxed (lossy)" if recipe.sampling.relaxed_acceptance is not None else ""
-    return f"{d.method}{k}{lossy}"
+    precision = f" ({d.dtype} draft)" if d.dtype != "auto" else ""
+    return f"{d.method}{k}{precision}{lossy}"
 
 
 def with_k(recipe: Recipe, k: int | str | None) -> Recipe | None:

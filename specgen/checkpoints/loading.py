@@ -8,7 +8,7 @@ Contract:
   built there directly (`dummy`).
 - `load_draft(method, config, folder, target, ...)` reads the draft's tensors (those under the
   method's weight prefix; none when dummy) and hands them to the method's builder: drafts receive
-  tensors and never open files.
+  tensors and never open files. Its `dtype` may differ from the target's (drafts/precision.py).
 - `dry=True` (both loaders): the same path on the file headers (checkpoints/headers.py), returning the
   module on the meta device: every check a real load makes (files, shards, key layout, shapes,
   quantisation scales, the draft's config against its target) runs, and no tensor is read. `run`
@@ -28,6 +28,7 @@ from specgen.checkpoints.headers import ShapeMismatch
 from specgen.checkpoints.quantized import quantization_of
 from specgen.checkpoints.store import CheckpointError, weight_files
 from specgen.checkpoints.weights import read_tensor_headers, read_tensors, tensor_names
+from specgen.drafts.precision import target_for_draft
 from specgen.models.materialise import build
 from specgen.registry import DRAFT_METHODS, UnsupportedError, target_architecture
 
@@ -72,6 +73,7 @@ def load_draft(method: str, config: dict, folder: Path | None, target, *,
                       quantization=quantization_of(config, str(folder)))
         if not state:
             raise CheckpointError(f"{folder}: no {method.upper()} weights (no tensors under {prefix or 'the root'}*)")
+    target = target_for_draft(target, dtype)
     draft = _converted(lambda: builder.build(config, state, target, num_speculative_tokens=num_speculative_tokens,
                                              dtype=dtype, device=device, seed=seed,
                                              where=str(folder) if folder else "draft"), folder)

@@ -126,6 +126,9 @@ class UnifiedStep:
         self.stochastic = stochastic_drafts and draft is not None
         self.relaxed = relaxed if self.k > 0 else None
         self.capture = tuple(draft.aux_layer_ids) if draft is not None else ()
+        # A draft may run in another dtype than the target (drafts/precision.py): what it reads (the
+        # ring of target features) and its cache are kept in its own.
+        self.draft_dtype = _floating_dtype(draft) if draft is not None else None
         self.use_kernel = use_kernel      # the Triton attention kernel (CUDA) or the SDPA reference
         self.num_sms = num_sms
         self.timer = None                 # a pipelines.phases.PhaseTimer (eager steps only)
@@ -145,14 +148,16 @@ class UnifiedStep:
         if self.draft is not None:
             width = len(self.capture) * self.target.hidden_size
             ring = {"draft_len": zeros.clone(),
-                    "features": torch.zeros(slots, self.ring_len, width, dtype=dtype, device=device),
+                    "features": torch.zeros(slots, self.ring_len, width, dtype=self.draft_dtype or dtype,
+                                            device=device),
                     "tokens": torch.zeros(slots, self.ring_len, dtype=torch.long, device=device)}
         return StepState(pending=torch.zeros(slots, self.k + 1, dtype=torch.long, device=device),
                          cache_lens=zeros.clone(), active=flags.clone(), limit=zeros.clone(),
                          noise_key=zeros.clone(), reasoning=flags.clone(), draft_probs=probs, **ring)
 
     def new_caches(self, slots: int, max_len: int, dtype: torch.dtype, device) -> StepCaches:
-        draft = self.draft.new_cache(slots, max_len, dtype, device) if self.draft is not None else None
+        draft = (self.draft.new_cache(slots, max_len, self.draft_dtype or dtype, device)
+                 if self.draft is not None else None)
         return StepCaches(self.target.new_cache(slots, max_len, dtype, device), draft)
 
     def scratch_len(self) -> int:
@@ -297,7 +302,8 @@ class UnifiedStep:
             # it (the next prompt token mid-prompt, the sampled first token at the end); no proposal
             after = torch.where(done, first, batch.next_tokens[index, last])
             next_tokens = batch.next_tokens.scatter(1, last.unsqueeze(1), after.unsqueeze(1))
-            self.draft.propose(aux, next_tokens, batch.positions, last, caches.draft, attn,
+            features = aux.to(self.draft_dtype) if aux is not None and self.draft_dtype is not None else aux
+            self.draft.propose(features, next_tokens, batch.positions, last, caches.draft, attn,
                                self._pick(row_sampling, batch.noise_key), 0)
             # the next draft call re-reads the prompt's last position from the ring, and proposes
             ring = self.ring_len
@@ -315,3 +321,11 @@ class UnifiedStep:
         state.active[rows] = done & (length < batch.limit)
         if self.timer is not None:
             self.timer.mark("prefill")
+
+
+def _floating_dtype(module) -> torch.dtype | None:
+    """The dtype of a module's first floating-point weight (None: it has none, a test double)."""
+    for tensor in (*module.parameters(), *module.buffers()):
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return None
