@@ -8,9 +8,10 @@ Other draft variants compile on first use (`compiled_ks` says which exist; `comp
 what each cost), so a job pays only for the k its policy actually runs.
 
 Variants are few by construction:
-- verify is compiled TWICE (`fullgraph`): T = 1 row per slot, the plain decoding step, gets the
-  static graph `draft.method: none` runs (Dynamo specialises a size of 1), and every T >= 2 shares
-  one graph where `rows`, an arange, has a dynamic length. (One graph for T = 1 too, compiled
+- verify is compiled three times on CPU (`fullgraph`): T = 1 row per slot, the plain decoding step,
+  gets the static graph `draft.method: none` runs (Dynamo specialises a size of 1); T = 2 gets one
+  (the greedy check branches on comparing one draft or more), and every T >= 3 shares one graph where
+  `rows`, an arange, has a dynamic length, first compiled at CPU_VERIFY_HINT_ROWS rows. (One graph for T = 1 too, compiled
   size-oblivious, ran plain steps 1.6x slower than a plain job after a cold compile on 2 EPYC cores:
   57.8 ms a plain step against 35.4 for a plain job, prefill included, so `auto` never reached plain
   speed.) The attended key count is a dynamic size too (`key_index`, an arange
@@ -43,6 +44,14 @@ from specgen.sampling import SamplingTensors
 
 
 CPU_FREEZE_MAX_SLOTS = 64
+
+# The rows per slot at which the CPU graph of T >= 3 rows is first compiled. Its dynamic size takes
+# that first value as a hint, and the code Inductor generates for it is fast near the hint only:
+# measured on 2 AMD EPYC Zen 4 cores (SmolLM2, fp32, batch 1, frozen, one runner timing every T in
+# turn), compiled at T = 5 (K_max = 4) a verify of T = 3 took 30.4 ms, T = 4 29.8 and T = 5 33.2
+# against 17.1 for T = 2; compiled at T = 4 (K_max = 3), T = 3 took 16.6 and T = 4 17.5 against
+# 14.4 for T = 2. Drafting 2 or 3 tokens is what pays most often (k >= 4 rarely does on a CPU).
+CPU_VERIFY_HINT_ROWS = 4
 
 
 def freezes(device: torch.device, slots: int) -> bool:
@@ -288,8 +297,11 @@ class StepFunctions:
             self.prefill(batch)
         self.state.active.zero_()
         # CUDA graphs: the first calls run eagerly, the next records; then replays. Every T a step
-        # may verify is recorded here (T = 1 and T >= 2 are two graphs; on CUDA a graph per T).
-        ts = range(1, self.unified.k + 2) if self.cuda_graphs else (1, self.unified.k + 1)
+        # may verify is recorded here (on CUDA a graph per T). On CPU: T = 1, then the graph of
+        # more rows, compiled at T = min(K + 1, CPU_VERIFY_HINT_ROWS) (T = 2 takes a graph of its own at
+        # its first use: the greedy check branches on whether one draft or more is compared).
+        ts = (range(1, self.unified.k + 2) if self.cuda_graphs
+              else sorted({1, min(self.unified.k + 1, CPU_VERIFY_HINT_ROWS)}))
         for _ in range(3 if self.cuda_graphs else 1):
             for k in ks:
                 self.draft(kv_len, k + 1, k)
