@@ -91,7 +91,7 @@ class Resolved:
     target_config: dict
     draft_folder: Path | None
     draft_config: dict | None
-    draft_dtype: torch.dtype | None = None    # None: the target's (no draft)
+    draft_dtype: torch.dtype                 # the draft's (the target's unless draft.dtype says)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -123,12 +123,12 @@ def resolve(recipe: Recipe) -> Resolved:
         raise InputError(str(err)) from err
     dtype = DTYPES[dtype_name]
     resolved = Resolved(device, dtype, folder, config, draft_folder, draft_cfg,
-                        draft_dtype(recipe.draft.dtype, dtype, device) if recipe.draft.enabled else None)
+                        draft_dtype(recipe.draft.dtype, dtype))
     check_checkpoints(recipe, resolved)
     return resolved
 
 
-def draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def draft_dtype(name: str, target_dtype: torch.dtype) -> torch.dtype:
     """`draft.dtype`: auto = the target's. Another dtype is allowed (the draft only proposes, so a
     float32 target keeps its exact output beside a bf16 draft: drafts/precision.py), but is not the
     default: measured on 2 AMD EPYC Zen 4 cores (SmolLM2 float32, EAGLE-3, batch 1, compiled, one
@@ -158,7 +158,7 @@ def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
                                  dummy=dummy, dry=not dummy)
             if recipe.draft.enabled and r.draft_config is not None and recipe.draft.load_format != "dummy":
                 load_draft(recipe.draft.method, r.draft_config, r.draft_folder, target,
-                           num_speculative_tokens=recipe.draft.k_max, dtype=r.draft_dtype or r.dtype,
+                           num_speculative_tokens=recipe.draft.k_max, dtype=r.draft_dtype,
                            device="meta", dummy=r.draft_folder is None, dry=r.draft_folder is not None)
     except (CheckpointError, ValueError) as err:
         raise InputError(str(err)) from err
@@ -250,11 +250,11 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     if r.device.type == "cuda" and recipe.runtime.compile is not False:
         parts["CUDA graph pool"] = parts["logits workspace"] + parts["activations"]
     if dcfg is not None:
-        draft_item = torch.empty((), dtype=r.draft_dtype or r.dtype).element_size()
+        draft_item = torch.empty((), dtype=r.draft_dtype).element_size()
         parts["draft weights"] = dcfg.num_parameters(draft_tensor_names(recipe.draft.method, r.draft_folder, r.draft_config)) * draft_item
-        if (r.draft_dtype or r.dtype) != r.dtype and recipe.draft.method in ("mtp", "dflash"):
+        if r.draft_dtype != r.dtype and recipe.draft.method in ("mtp", "dflash"):
             parts["draft weights"] += vocab * hidden * draft_item   # the shared head again, in its dtype
-        parts["draft KV cache"] = dcfg.cache_bytes_per_token(r.draft_dtype or r.dtype) * b * seq
+        parts["draft KV cache"] = dcfg.cache_bytes_per_token(r.draft_dtype) * b * seq
         if recipe.draft.stochastic:
             parts["draft probabilities"] = 2 * b * k * vocab * 4
     return parts
@@ -349,7 +349,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
         dummy = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
         draft = load_draft(recipe.draft.method, r.draft_config or builder.dummy_config(target.shape),
                            r.draft_folder, target, num_speculative_tokens=recipe.draft.k_max,
-                           dtype=r.draft_dtype or r.dtype, device=r.device, dummy=dummy)
+                           dtype=r.draft_dtype, device=r.device, dummy=dummy)
         if _draft_inside_a_dummy_target(recipe):
             notes.append(f"the target is dummy, so its {recipe.draft.method} layer is random too")
         elif dummy:
@@ -400,7 +400,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     if recipe.target.dtype == "auto" and r.device.type == "cpu":
         dtype += " (auto: the CPU multiplies bf16 natively)" if dtype == "bfloat16" else \
             " (auto: no native bf16 on this CPU)"
-    if draft is not None and r.draft_dtype not in (None, r.dtype):
+    if draft is not None and r.draft_dtype != r.dtype:
         dtype += f", draft {str(r.draft_dtype).removeprefix('torch.')}"
     runner.header = (f"{device}, {dtype}, "
                      f"{threads} thread{'s' * (threads != 1)} ({why_threads}), "
@@ -606,7 +606,7 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "memory_estimate_bytes": memory,
         "device": _device_name(r.device),
         "dtype": str(r.dtype).removeprefix("torch."),
-        "draft_dtype": str(r.draft_dtype).removeprefix("torch.") if r.draft_dtype is not None else None,
+        "draft_dtype": str(r.draft_dtype).removeprefix("torch.") if recipe.draft.enabled else None,
         "versions": {"specgen": _version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }

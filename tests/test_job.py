@@ -41,7 +41,7 @@ def test_memory_estimate_counts_weights_caches_and_transients():
                              "runtime": {"batch_size": 64, "max_seq_len": 2048},
                              "sampling": {"temperature": 0.8, "top_p": 0.9}})
     for device, graphs in ((CPU, False), (CUDA, True)):
-        parts = estimate_bytes(plan, Resolved(device, torch.bfloat16, None, config, None, None))
+        parts = estimate_bytes(plan, Resolved(device, torch.bfloat16, None, config, None, None, torch.bfloat16))
         assert abs(parts["target weights"] / 2 - 8.03e9) < 0.01e9            # bf16
         assert parts["target KV cache"] == 2 * 32 * 8 * 128 * 2 * 64 * (2048 + 2)
         assert parts["logits workspace"] == 64 * 128256 * 4 * 7               # sampled with top-p
@@ -50,10 +50,8 @@ def test_memory_estimate_counts_weights_caches_and_transients():
 
 
 def test_the_draft_takes_the_targets_dtype_unless_set():
-    import specgen.job as job
+    from specgen.job import draft_dtype
 
     fp32, bf16 = torch.float32, torch.bfloat16
-    assert job.draft_dtype("auto", fp32, CPU) == fp32
-    assert job.draft_dtype("auto", bf16, CUDA) == bf16
-    assert job.draft_dtype("bfloat16", fp32, CPU) == bf16
-    assert job.draft_dtype("float32", bf16, CPU) == fp32
+    assert draft_dtype("auto", fp32) == fp32 and draft_dtype("auto", bf16) == bf16
+    assert draft_dtype("bfloat16", fp32) == bf16 and draft_dtype("float32", bf16) == fp32
