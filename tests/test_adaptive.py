@@ -193,7 +193,7 @@ def checkpoints(tmp_path_factory):
 
 
 def recipe(checkpoints, method: str, k="auto", batch: int = 4, draft_dtype: str = "float32", **sampling):
-    # the draft's dtype pinned: `auto` would make it bf16 on some CPUs and not on others
+    # the draft's dtype pinned (auto takes the target's float32); the switching test also runs bf16
     draft = {"method": method, "num_speculative_tokens": k, "dtype": draft_dtype}
     if method in ("eagle3", "dflash"):
         draft["model"] = str(checkpoints[method])

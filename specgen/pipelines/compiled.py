@@ -11,11 +11,11 @@ Variants are few by construction:
 - verify is compiled three times on CPU (`fullgraph`): T = 1 row per slot, the plain decoding step,
   gets the static graph `draft.method: none` runs (Dynamo specialises a size of 1); T = 2 gets one
   (the greedy check branches on comparing one draft or more), and every T >= 3 shares one graph where
-  `rows`, an arange, has a dynamic length, first compiled at CPU_VERIFY_HINT_ROWS rows. (One graph for T = 1 too, compiled
-  size-oblivious, ran plain steps 1.6x slower than a plain job after a cold compile on 2 EPYC cores:
-  57.8 ms a plain step against 35.4 for a plain job, prefill included, so `auto` never reached plain
-  speed.) The attended key count is a dynamic size too (`key_index`, an arange
-  whose length is the bound): one graph serves every length bucket. On CUDA the attention kernel
+  `rows`, an arange, has a dynamic length, first compiled at CPU_VERIFY_HINT_ROWS rows. (One graph
+  for T = 1 too, compiled size-oblivious, ran plain steps 1.6x slower than a plain job after a cold
+  compile on 2 EPYC cores: 57.8 ms a plain step against 35.4 for a plain job, prefill included, so
+  `auto` never reached plain speed.) The attended key count is a dynamic size too (`key_index`, an
+  arange whose length is the bound): one graph serves every length bucket. On CUDA the attention kernel
   reads per-row lengths, the bound is the allocation, and each (T, bucket) is one CUDA graph
   (Inductor's `triton.cudagraphs`, state and caches at static addresses);
 - the draft is compiled once per k (its chain is unrolled), its window length a dynamic size;
