@@ -36,6 +36,13 @@ def main(spec_path: str, plain_path: str) -> int:
         print(f"speculative {a:,.1f} tok/s vs plain {b:,.1f} tok/s = {a / b:.2f}x "
               f"(mean acceptance length {mal:.2f}; steady state, compile time left out)" if mal else
               f"speculative {a:,.1f} tok/s vs plain {b:,.1f} tok/s = {a / b:.2f}x")
+    end_a, end_b = spec_stats["output_tokens_per_second"], plain_stats["output_tokens_per_second"]
+    if end_a and end_b:
+        print(f"end to end (compiling included): {end_a:,.1f} vs {end_b:,.1f} tok/s = {end_a / end_b:.2f}x")
+    k_steps = (spec_stats.get("speculation") or {}).get("k_steps")
+    if k_steps and not any(k_steps[1:]):
+        print(f"auto ran plain steps only: on this job ({sum(len(t) for t in spec.values()):,} tokens) no "
+              "draft variant would repay its compile time (README: how auto decides)")
     return 1 if differ else 0
 
 

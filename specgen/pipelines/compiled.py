@@ -2,22 +2,25 @@
 
 Contract: `StepFunctions(unified, state, caches, sampling, device=, compile=)` exposes
 `verify(kv_len, t)`, `draft(kv_len, window, k)` and `prefill(batch)` bound to the runner's state,
-plus `warm_up(kv_len, prefill_batches, ks)`, which compiles (and on CUDA captures) the verify
-function and the draft variants `ks` before the first request; it returns the seconds that took.
-Other draft variants compile on first use (`compiled_ks` says which exist; `compile_seconds[k]`
-what each cost), so a job pays only for the k its policy actually runs.
+plus `warm_up(kv_len, prefill_batches, ks, plain)`, which compiles (and on CUDA captures) the
+variants `ks` (and with `plain` the one-row verify) before the first request; it returns the seconds
+that took. Everything else compiles on first use (`compiled_ks`, `verify_ready` and `draft_ready`
+say what exists; `compile_seconds` what each cost), so a job pays only for the variants its policy
+actually runs.
 
 Variants are few by construction:
-- verify is compiled three times on CPU (`fullgraph`): T = 1 row per slot, the plain decoding step,
-  gets the static graph `draft.method: none` runs (Dynamo specialises a size of 1); T = 2 gets one
-  (the greedy check branches on comparing one draft or more), and every T >= 3 shares one graph where
-  `rows`, an arange, has a dynamic length, first compiled at CPU_VERIFY_HINT_ROWS rows. (One graph
-  for T = 1 too, compiled size-oblivious, ran plain steps 1.6x slower than a plain job after a cold
-  compile on 2 EPYC cores: 57.8 ms a plain step against 35.4 for a plain job, prefill included, so
-  `auto` never reached plain speed.) The attended key count is a dynamic size too (`key_index`, an
-  arange whose length is the bound): one graph serves every length bucket. On CUDA the attention kernel
-  reads per-row lengths, the bound is the allocation, and each (T, bucket) is one CUDA graph
-  (Inductor's `triton.cudagraphs`, state and caches at static addresses);
+- verify is compiled once per number of rows per slot T (`fullgraph`, static): T = 1, the plain
+  decoding step, is the graph `draft.method: none` runs, and a variant k uses the graph of T = k + 1.
+  One graph for every T (its rows a dynamic size) was tried: for T = 1 it ran plain steps 1.6x
+  slower than a plain job (57.8 ms a step against 35.4, 2 AMD EPYC cores); for T >= 3 Inductor's
+  code ran well only near the size it was first compiled at (compiled at T = 5: T = 3 took 30.4 ms
+  against 17.1 for T = 2); and T = 2 took a graph of its own anyway (a contiguity check on the
+  T - 1 draft columns asks whether that size is 1). Static graphs have none of these, and each costs
+  what the plain step's compile costs, paid only by a job that uses that T. The attended key count
+  is a dynamic size (`key_index`, an arange whose length is the bound): one graph serves every
+  length bucket. On CUDA the attention kernel reads per-row lengths, the bound is the allocation,
+  and each (T, bucket) is one CUDA graph (Inductor's `triton.cudagraphs`, state and caches at
+  static addresses);
 - the draft is compiled once per k (its chain is unrolled), its window length a dynamic size;
 - the prefill is compiled with dynamic shapes (rows and padded length), without CUDA graphs, where
   it pays (CUDA); on CPU its large GEMMs gain little from Inductor and it stays eager.
@@ -45,13 +48,6 @@ from specgen.sampling import SamplingTensors
 
 CPU_FREEZE_MAX_SLOTS = 64
 
-# The rows per slot at which the CPU graph of T >= 3 rows is first compiled. Its dynamic size takes
-# that first value as a hint, and the code Inductor generates for it is fast near the hint only:
-# measured on 2 AMD EPYC Zen 4 cores (SmolLM2, fp32, batch 1, frozen, one runner timing every T in
-# turn), compiled at T = 5 (K_max = 4) a verify of T = 3 took 30.4 ms, T = 4 29.8 and T = 5 33.2
-# against 17.1 for T = 2; compiled at T = 4 (K_max = 3), T = 3 took 16.6 and T = 4 17.5 against
-# 14.4 for T = 2. Drafting 2 or 3 tokens is what pays most often (k >= 4 rarely does on a CPU).
-CPU_VERIFY_HINT_ROWS = 4
 
 
 def freezes(device: torch.device, slots: int) -> bool:
@@ -158,9 +154,9 @@ class StepFunctions:
         self._key_index: dict[int, torch.Tensor] = {}
         self._aranges: dict[tuple[str, int], torch.Tensor] = {}
         self._rows = (state, caches, sampling)          # what the step runs over (see use_slots)
-        self._verify = unified.verify_block
+        self._verifies: dict[int, object] = {}          # t -> the compiled verify of t rows per slot
         self._drafts: dict[int, object] = {}            # k -> the compiled draft of k tokens
-        self.compile_seconds: dict[int | str, float] = {}   # "verify" and each k: its first call
+        self.compile_seconds: dict[int | tuple[str, int], float] = {}   # k, ("verify", t): first call
         self._prefill = unified.prefill
         self.prefill_compiled = False
         self.frozen = False
@@ -189,7 +185,6 @@ class StepFunctions:
             for t in (*state.tensors(), *caches.tensors(), *unified.target.static_tensors(),
                       *sampling.tensors()):
                 torch._dynamo.mark_static_address(t)
-        self._verify = self._compile(unified.verify_block)
         self.prefill_compiled = compile_prefill if compile_prefill is not None else device.type == "cuda"
         if self.prefill_compiled:
             self._prefill = _under_settings(
@@ -216,29 +211,46 @@ class StepFunctions:
                 torch._dynamo.mark_dynamic(index, 0, min=2, max=self.caches.target.max_len - 1)
         return index
 
-    def _arange(self, kind: str, n: int) -> torch.Tensor:
-        """`arange(n)` whose length is a dynamic size (rows per slot, draft window). "Maybe" dynamic:
-        a model that branches on it (MLA picks its attention path by query count) gets one graph per
-        branch instead of an error."""
+    def _arange(self, kind: str, n: int, dynamic: bool) -> torch.Tensor:
+        """`arange(n)`; `dynamic`: its length is a dynamic size (the draft window). "Maybe" dynamic:
+        a model that branches on it gets one graph per branch instead of an error."""
         index = self._aranges.get((kind, n))
         if index is None:
             index = self._aranges[(kind, n)] = torch.arange(n, device=self.device)
-            if self.compiled:
+            if self.compiled and dynamic:
                 torch._dynamo.maybe_mark_dynamic(index, 0)
         return index
 
     @property
     def compiled_ks(self) -> set[int]:
-        """The draft variants that run without compiling first (every k when steps run eagerly)."""
-        return set(self._drafts) if self.compiled else set(range(1, self.unified.k + 1))
+        """The variants k > 0 that run without compiling first: the draft of k and the verify of
+        k + 1 rows both exist (every k when steps run eagerly)."""
+        if not self.compiled:
+            return set(range(1, self.unified.k + 1))
+        return {k for k in self._drafts if k + 1 in self._verifies}
+
+    def draft_ready(self, k: int) -> bool:
+        """Whether the draft of k tokens runs without compiling first."""
+        return not self.compiled or k in self._drafts
+
+    def verify_ready(self, t: int) -> bool:
+        """Whether the verify of t rows per slot runs without compiling first."""
+        return not self.compiled or t in self._verifies
+
+    def compiled_seconds(self) -> float:
+        """Seconds spent compiling so far (every first call)."""
+        return sum(self.compile_seconds.values())
 
     def verify(self, kv_len: int, t: int) -> torch.Tensor:
         """Verify T = t pending tokens per slot (t = 1: plain decoding); returns the step's [B, t+3]."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         state, caches, sampling = self._rows
-        rows = self._arange("rows", t)
-        return self._timed("verify", self._verify, state, caches, sampling, self.key_index(kv_len), rows)
+        rows = self._arange("rows", t, dynamic=False)
+        fn = self._verifies.get(t)
+        if fn is None:
+            fn = self._verifies[t] = self._compile(self.unified.verify_block) if self.compiled else self.unified.verify_block
+        return self._timed(("verify", t), fn, state, caches, sampling, self.key_index(kv_len), rows)
 
     def draft(self, kv_len: int, window: int, k: int, *, eager: bool = False) -> None:
         """Propose k tokens per slot after absorbing up to `window` positions. The compiled variant of
@@ -248,7 +260,7 @@ class StepFunctions:
         state, caches, sampling = self._rows
         # at least 2 rows: the window is then never 1, a size compilers treat apart (a row past a
         # slot's gap is harmless scratch)
-        window = self._arange("window", max(2, min(window, unified.max_window)))
+        window = self._arange("window", max(2, min(window, unified.max_window)), dynamic=True)
         if eager and self.compiled and k not in self._drafts:
             unified.draft_block(state, caches, sampling, self.key_index(kv_len), window, k)
             return
@@ -287,21 +299,19 @@ class StepFunctions:
                 torch._dynamo.maybe_mark_dynamic(t, 1)
         self._prefill(self.state, self.caches, batch, self.sampling)
 
-    def warm_up(self, kv_len: int, prefill_batches: list[PrefillBatch], ks: tuple[int, ...] = ()) -> float:
-        """Compile / capture the verify function and the draft variants `ks` before the run (all slots
-        inactive: nothing advances)."""
+    def warm_up(self, kv_len: int, prefill_batches: list[PrefillBatch], ks: tuple[int, ...] = (),
+                plain: bool = False) -> float:
+        """Compile / capture, before the run, the variants k in `ks` (the draft of k and the verify of
+        k + 1 rows) and with `plain` the plain step (verify of one row); all slots inactive: nothing
+        advances. Returns the seconds that took."""
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
         for batch in prefill_batches:
             self.prefill(batch)
         self.state.active.zero_()
-        # CUDA graphs: the first calls run eagerly, the next records; then replays. Every T a step
-        # may verify is recorded here (on CUDA a graph per T). On CPU: T = 1, then the graph of
-        # more rows, compiled at T = min(K + 1, CPU_VERIFY_HINT_ROWS) (T = 2 takes a graph of its own at
-        # its first use: the greedy check branches on whether one draft or more is compared).
-        ts = (range(1, self.unified.k + 2) if self.cuda_graphs
-              else sorted({1, min(self.unified.k + 1, CPU_VERIFY_HINT_ROWS)}))
+        ts = sorted({k + 1 for k in ks} | ({1} if plain else set()))
+        # CUDA graphs: the first calls run eagerly, the next records; then replays
         for _ in range(3 if self.cuda_graphs else 1):
             for k in ks:
                 self.draft(kv_len, k + 1, k)

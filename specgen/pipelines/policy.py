@@ -29,13 +29,17 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   warm-up's profile times every variant side by side, so the costs start consistent). So variants
   compare as if timed side by side (a probe is timed beside the steps around it); `cost()` gives
   them back at today's pace.
-- Variants that do not exist yet (a draft of k tokens not compiled) cost their compile time: the
-  policy compiles k only when the time it is expected to save over the rest of the job
-  (`horizon_tokens`) is at least twice that cost, so a short job never compiles what it cannot repay.
+- Variants that do not exist yet (the draft of k tokens or the verify of k + 1 rows not compiled)
+  cost their compile time: the policy compiles k only when the time it is expected to save over the
+  rest of the job (`horizon_tokens`) is at least twice that cost, so a short job never compiles what
+  it cannot repay (the warm-up asks the same question of the card's figures).
 - While k = 0 wins, nothing measures acceptance: every `probe_interval` plain steps one step drafts
-  (the best k > 0 that runs without compiling, or an eager draft), which also lets the draft catch
-  up on the positions it skipped. A probe that confirms k = 0 doubles the interval (up to
-  `max_interval`, which keeps every catch-up inside the draft's window); a win resets it. While some
+  (the best k > 0 that runs without compiling, or an eager draft beside a compiled verify), which
+  also lets the draft catch up on the positions it skipped; a compiled probe drafts the same k once
+  more, a step that is timed (the catch-up is not), so the variant's cost stays measured too. A
+  probe that confirms k = 0 doubles the interval (up to `max_interval`, which keeps every catch-up
+  inside the draft's window); a win resets it. A variant whose cost was only estimated (from eager
+  times, before it was compiled) runs as soon as it exists until one of its steps is timed. While some
   k > 0 wins, every `probe_interval` steps one step tries k + 1 or, now and then (more often when it
   comes close), k - 1: the next position stays measured, and so does the cost of the cheaper variant
   (plain decoding's, for k = 1), which otherwise nothing would refresh. A probe up is made only while
@@ -163,6 +167,8 @@ class AdaptivePolicy:
     _produced: float = field(init=False, default=0.0)
     pace: float = field(init=False, default=1.0)         # today's step time / the stored (profiled) scale
     _last_timed: tuple[int, int] | None = field(init=False, default=None)   # (width, k) of the last steady step
+    _estimated: set[tuple[int, int]] = field(init=False, default_factory=set)  # (width, k) never timed
+    _second_step: int | None = field(init=False, default=None)   # a probe from plain steps, run twice
     _probed_from: int | None = field(init=False, default=None)  # the choice at the last probe
     last_choice: int = field(init=False, default=0)
     reason: str = field(init=False, default="best")      # best | compile | probe
@@ -194,7 +200,10 @@ class AdaptivePolicy:
     def observe_step(self, k: int, width: int, seconds: float) -> None:
         key = (width, k)
         cost = self._costs.get(key)
-        if cost is None:
+        if key in self._estimated:        # the first time of a variant only estimated so far replaces it
+            self._estimated.discard(key)
+            self._costs[key] = _Cost(seconds / self.pace, profiled=True)
+        elif cost is None:
             self._costs[key] = _Cost(seconds / self.pace, profiled=False)
         else:
             low, high = PACE_CLAMP
@@ -204,9 +213,15 @@ class AdaptivePolicy:
             self.pace += PACE_RATE * (ratio - self.pace)
         self._last_timed = key
 
-    def set_cost(self, k: int, width: int, seconds: float) -> None:
-        """A profiled (warm-up) or estimated cost, before any step of that variant ran (at today's pace)."""
+    def set_cost(self, k: int, width: int, seconds: float, estimated: bool = False) -> None:
+        """A profiled (warm-up) or `estimated` cost (from an uncompiled variant's eager time), before
+        any step of that variant ran (at today's pace). An estimated variant that can run without
+        compiling is tried by the next steps until one is timed (`choose`)."""
         self._costs[(width, k)] = _Cost(seconds / self.pace, profiled=True)
+        if estimated:
+            self._estimated.add((width, k))
+        else:
+            self._estimated.discard((width, k))
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -233,7 +248,17 @@ class AdaptivePolicy:
         exact = self._costs.get((width, k))
         if exact is not None:
             return exact.seconds * self.pace
-        # another width: the nearest one measured, scaled by rows (eager steps narrow in a run's tail)
+        # Another width (eager steps narrow in a run's tail). What k costs against another variant
+        # carries over between widths far better than a time does: at batch 16 a k = 1 step cost 1.5x
+        # a plain one, and its time scaled down to 4 slots made it look cheaper than the plain step
+        # measured there, so narrowed tails drafted at a loss. So: k's ratio to a variant measured at
+        # both widths, times that variant's cost at this one; a time scaled by rows only without one.
+        here = {kk: c.seconds for (w, kk), c in self._costs.items() if w == width}
+        pairs = [(w, kk) for (w, kk) in self._costs if kk in here and (w, k) in self._costs and w != width]
+        if pairs:
+            w, ref = min(pairs, key=lambda p: (abs(p[0] - width), p[1] != 0))
+            ratio = self._costs[(w, k)].seconds / self._costs[(w, ref)].seconds
+            return here[ref] * ratio * self.pace
         same_k = [(w, c.seconds) for (w, kk), c in self._costs.items() if kk == k]
         if same_k:
             w, seconds = min(same_k, key=lambda wc: abs(wc[0] - width))
@@ -272,9 +297,25 @@ class AdaptivePolicy:
         rates = self.last_rates = self.rates(slots, width)
         ready = {k: r for k, r in rates.items() if k in available}
         best = max(ready, key=ready.get) if ready else 0
-        compile = self._worth_compiling(rates, ready, best)
+        compile = self.worth_compiling(rates, ready)
         choice = compile if compile is not None else best
         self.reason = "compile" if compile is not None else "best"
+        # a variant compiled since its cost was estimated (eager times are a poor guide to compiled
+        # ones: a bench's auto never ran k = 1 on an estimate, where k = 1 paid most) runs until a
+        # step of it is timed (its first step after plain ones catches up and is not)
+        untimed = [k for k in ready if k > 0 and (width, k) in self._estimated]
+        if compile is None and untimed:
+            self.last_choice, self.reason = max(untimed, key=ready.get), "probe"
+            return self.last_choice
+        # A probe out of plain steps catches the draft up on them, so its time is not the variant's
+        # cost; the step after it drafts the same k and is timed. Without it, a k whose cost was once
+        # timed high (one noisy step) lost to plain steps for the rest of the job: its probes only
+        # ever measured acceptance (a bench's auto ran k = 0 on 96% of steps where k = 1 paid 1.27x).
+        if self._second_step is not None:
+            k, self._second_step = self._second_step, None
+            if k in ready:
+                self.last_choice, self.reason = k, "probe"
+                return k
         self._since_probe += 1
         if self._since_probe >= self.probe_interval:
             probe = self._probe(choice, rates, probe_ks if probe_ks is not None else available, available,
@@ -285,15 +326,20 @@ class AdaptivePolicy:
                 self.probe_interval = (min(2 * self.probe_interval, self.max_interval)
                                        if self._probed_from in (None, choice) else FIRST_PROBE_INTERVAL)
                 self._probed_from = choice
+                if choice == 0:
+                    self._second_step = probe
                 choice, self.reason = probe, "probe"
         self.last_choice = choice
         return choice
 
-    def _worth_compiling(self, rates: dict[int, float], ready: dict[int, float], best: int) -> int | None:
+    def worth_compiling(self, rates: dict[int, float], ready: dict[int, float]) -> int | None:
+        """The variant to compile now, if any: the best one that beats every `ready` variant's rate
+        by MIN_GAIN and saves, over the tokens the job may still produce, COMPILE_PAYBACK times
+        its compile time (a job of unknown length: as many tokens as it produced so far)."""
         if not ready:
             return None
         remaining = self.horizon_tokens - self._produced if self.horizon_tokens is not None else self._produced
-        best_rate = ready[best]
+        best_rate = max(ready.values())
         for k, rate in sorted(rates.items(), key=lambda kr: -kr[1]):
             if k in ready or rate < best_rate * (1 + MIN_GAIN):
                 continue

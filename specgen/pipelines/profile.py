@@ -2,14 +2,15 @@
 
 Contract: `calibrate(policy, functions, kv_len, slots)` runs with every slot inactive (nothing
 advances; every write lands in scratch entries) and:
-- times verify at every T = 1..K_max + 1 (two compiled graphs serve them all, so this compiles
-  nothing) and the draft of every k that runs without compiling (every k when steps run eagerly);
-- for draft variants that would need compiling, estimates their compiled time (their eager time
-  scaled by verify's compiled/eager ratio) and their compile time (verify's, scaled by how much
-  smaller the draft's work is, until a draft variant has been compiled and timed);
-- gives the policy `cost(k) = verify(k + 1) + draft(k)` for every k, and, when the card's acceptance
-  says some k > 0 beats plain decoding on a full batch, compiles that draft now (the first steps
-  need it) and times it.
+- times the plain step (the verify of one row per slot, compiled first if it is not yet) and every
+  variant k that runs without compiling (its draft and the verify of k + 1 rows; every k when steps
+  run eagerly);
+- for the parts that would need compiling, estimates their compiled time (their eager time scaled by
+  the plain step's compiled/eager ratio) and their compile time (a verify graph: what the plain
+  step's took; a draft: that, scaled by how much smaller the draft's work is);
+- gives the policy `cost(k) = verify(k + 1) + draft(k)` for every k, and compiles now the variant
+  that the card's acceptance says the job repays (`AdaptivePolicy.worth_compiling`: the time it is
+  expected to save over the job's tokens at least twice its compile time), then times it.
 Returns the seconds spent. Step times keep being refined by the policy during the run.
 """
 
@@ -21,7 +22,7 @@ import time
 import torch
 
 from specgen.pipelines.compiled import StepFunctions
-from specgen.pipelines.policy import MIN_GAIN, AdaptivePolicy, SlotView
+from specgen.pipelines.policy import AdaptivePolicy, SlotView
 
 REPEATS = 3
 MIN_COMPILE_SECONDS = 5.0
@@ -49,37 +50,60 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
     state, caches, sampling = functions.state, functions.caches, functions.sampling
     state.active.zero_()
     k_max = unified.k
-    verify = {t: _time(device, lambda t=t: functions.verify(kv_len, t)) for t in range(1, k_max + 2)}
-    draft: dict[int, float] = {}
-    for k in functions.compiled_ks:
-        draft[k] = _time(device, lambda k=k: functions.draft(kv_len, k + 1, k))
-    missing = [k for k in range(1, k_max + 1) if k not in draft]
-    if missing:
-        # Not compiled yet: eager times, scaled as verify scales from eager to compiled.
-        key_index = functions.key_index(kv_len)
-        rows = torch.arange(1, device=device)
-        eager_verify = _time(device, lambda: unified.verify_block(state, caches, sampling, key_index, rows), 1)
-        ratio = min(1.0, verify[1] / eager_verify)
-        verify_compile = functions.compile_seconds.get("verify", 0.0)
-        for k in missing:
+    key_index = functions.key_index(kv_len)
+    verify = {t: _time(device, lambda t=t: functions.verify(kv_len, t))
+              for t in range(1, k_max + 2) if t == 1 or functions.verify_ready(t)}
+    draft = {k: _time(device, lambda k=k: functions.draft(kv_len, k + 1, k))
+             for k in range(1, k_max + 1) if functions.draft_ready(k)}
+
+    def eager_verify(t: int) -> float:
+        rows = torch.arange(t, device=device)
+        return _time(device, lambda: unified.verify_block(state, caches, sampling, key_index, rows), 1)
+
+    missing_verify = [t for t in range(2, k_max + 2) if t not in verify]
+    missing_draft = [k for k in range(1, k_max + 1) if k not in draft]
+    if missing_verify or missing_draft:
+        # Not compiled yet: eager times, scaled as the plain step scales from eager to compiled.
+        plain_eager = eager_verify(1)
+        ratio = min(1.0, verify[1] / plain_eager)
+        verify_compile = max(functions.compile_seconds.get(("verify", 1), 0.0), MIN_COMPILE_SECONDS)
+        for t in missing_verify:
+            verify[t] = eager_verify(t) * ratio
+        for k in missing_draft:
             window = torch.arange(k + 1, device=device)
             eager = _time(device, lambda k=k, w=window: unified.draft_block(state, caches, sampling, key_index,
                                                                             w, k), 1)
             draft[k] = eager * ratio
-            share = min(1.0, eager / eager_verify)
+            share = min(1.0, eager / plain_eager)
             policy.compile_estimate[k] = max(MIN_COMPILE_SECONDS, verify_compile * share)
+        for k in range(1, k_max + 1):
+            policy.compile_estimate[k] = ((verify_compile if k + 1 in missing_verify else 0.0)
+                                          + (policy.compile_estimate[k] if k in missing_draft else 0.0))
     for k in range(k_max + 1):
-        policy.set_cost(k, slots, verify[k + 1] + draft.get(k, 0.0))
-    # The card's acceptance on a full batch of long requests: the draft the first steps will use.
+        estimated = k + 1 in missing_verify or k in missing_draft
+        policy.set_cost(k, slots, verify[k + 1] + draft.get(k, 0.0), estimated=estimated)
+    # The card's acceptance on a full batch of long requests: the variant the first steps will use,
+    # compiled now where the job repays it.
     rates = policy.rates([SlotView(b, 1 << 30) for b in range(slots)], slots)
-    best = max(rates, key=rates.get)
-    if best > 0 and best in missing and rates[best] >= rates[0] * (1 + MIN_GAIN):
-        functions.draft(kv_len, best + 1, best)              # compiles it
-        policy.set_cost(best, slots, verify[best + 1] + _time(device, lambda: functions.draft(kv_len, best + 1, best)))
-        compiled = functions.compile_seconds.get(best)
-        if compiled:
-            for k in missing:
-                if k != best:
-                    policy.compile_estimate[k] = max(MIN_COMPILE_SECONDS, compiled * k / best)
+    ready = {k: r for k, r in rates.items() if k == 0 or k in functions.compiled_ks}
+    best = policy.worth_compiling(rates, ready)
+    if best is not None:
+        before = functions.compiled_seconds()
+        functions.draft(kv_len, best + 1, best)              # compiles them
+        functions.verify(kv_len, best + 1)
+        spent = functions.compiled_seconds() - before
+        policy.set_cost(best, slots, _time(device, lambda: functions.verify(kv_len, best + 1))
+                        + _time(device, lambda: functions.draft(kv_len, best + 1, best)))
+        draft_compile = functions.compile_seconds.get(best)
+        verify_compile = functions.compile_seconds.get(("verify", best + 1))
+        for k in range(1, k_max + 1):
+            if k in functions.compiled_ks:
+                continue
+            estimate = 0.0
+            if not functions.verify_ready(k + 1):
+                estimate += verify_compile if verify_compile else spent
+            if not functions.draft_ready(k):
+                estimate += max(MIN_COMPILE_SECONDS, draft_compile * k / best) if draft_compile else 0.0
+            policy.compile_estimate[k] = max(MIN_COMPILE_SECONDS, estimate)
     state.active.zero_()
     return time.perf_counter() - start

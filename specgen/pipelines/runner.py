@@ -200,8 +200,10 @@ class Runner:
     @torch.inference_mode()
     def warm_up(self) -> float:
         """Compile (and capture) what the run needs up front; seconds spent. Idempotent. A fixed k gets
-        its draft compiled; an adaptive policy gets every variant's step time (profile.py) and the
-        draft it expects to use. A policy swapped in later (`use_policy`) is prepared the same way."""
+        its variant compiled (its draft and the verify of k + 1 rows); an adaptive policy gets the
+        plain step, every variant's step time (measured or estimated, profile.py) and the variant it
+        expects to use where the job repays compiling it. A policy swapped in later (`use_policy`)
+        is prepared the same way."""
         seconds = 0.0
         if not self.warmed:
             self.warmed = True
@@ -214,8 +216,10 @@ class Runner:
                     call = plan_prefill(items[:rows], chunk=self.prefill_chunk, budget=self.prefill_budget)[0]
                     key_index = self.functions.key_index(self.kv_bucket(call.width))
                     batches.append(pack(call, self.alloc_len, key_index, self.device))
+            # a fixed k > 0 never runs the plain step; an adaptive policy starts from it (profile.py)
             fixed = self.policy.k if isinstance(self.policy, FixedPolicy) else 0
-            seconds += self.functions.warm_up(self.kv_bucket(0), batches, (fixed,) if fixed else ())
+            seconds += self.functions.warm_up(self.kv_bucket(0), batches, (fixed,) if fixed else (),
+                                              plain=not fixed)
         if any(p is self.policy for p in self._prepared):
             return seconds
         self._prepared.append(self.policy)
@@ -224,8 +228,10 @@ class Runner:
 
             spent = calibrate(self.policy, self.functions, self.kv_bucket(0), self.batch_size)
             seconds += spent if self.compiled else 0.0     # eager: profiling is part of the run
-        elif self.policy.k and self.policy.k not in self.functions.compiled_ks:
-            seconds += self.functions.warm_up(self.kv_bucket(0), [], (self.policy.k,))
+        else:
+            k, functions = self.policy.k, self.functions
+            if (k and k not in functions.compiled_ks) or (not k and not functions.verify_ready(1)):
+                seconds += functions.warm_up(self.kv_bucket(0), [], (k,) if k else (), plain=not k)
         return seconds
 
     def use_policy(self, policy: AdaptivePolicy | FixedPolicy) -> None:
@@ -314,27 +320,30 @@ class Runner:
         functions = self.functions
         views = [SlotView(b, slots[b].tracker.max_tokens - len(slots[b].tracker.token_ids)) for b in live]
         ready = functions.compiled_ks
-        k = self.policy.choose(views, ready, self.width, set(range(1, self.unified.k + 1)))
+        # a probe may draft eagerly, never verify uncompiled: the verify decides the tokens, and only
+        # its compiled graph computes them exactly as the plain step does
+        probe_ks = {k for k in range(1, self.unified.k + 1) if functions.verify_ready(k + 1)}
+        k = self.policy.choose(views, ready, self.width, probe_ks)
         kv_len = self.kv_bucket(max(lengths[b] for b in live))
         steady = True
+        compiled_before = functions.compiled_seconds()
         if k > 0:
-            # a probe of a variant that was never compiled runs its draft eagerly: the policy
-            # compiles only what it decided pays (pipelines/policy.py)
+            # a probe of a draft that was never compiled runs it eagerly: the policy compiles only
+            # what it decided pays (pipelines/policy.py)
             probe = self.policy.reason == "probe" and k not in ready
-            compiles = self.compiled and not probe and k not in ready
-            before = functions.compile_seconds.get(k, 0.0)
             window = max(self.gaps[b] for b in live)
             functions.draft(kv_len, window, k, eager=probe)
-            if compiles:
-                totals.compile_seconds += functions.compile_seconds.get(k, 0.0) - before
             # a draft catching up on plain steps' positions (after a run of k = 0) costs more than
             # drafting does in a run of k (measured: 10.5 ms for 53 positions against 1.9 for 2, EAGLE-3
             # on SmolLM2, fp32): a one-off, not the variant's cost
             catch_up = window > self.unified.k + 1
-            steady = not (probe or compiles or catch_up)
+            steady = not (probe or catch_up)
             for b in range(self.batch_size):
                 self.gaps[b] = 0
         out = functions.verify(kv_len, k + 1)
+        compiled = functions.compiled_seconds() - compiled_before     # a variant built at first use
+        totals.compile_seconds += compiled
+        steady = steady and compiled == 0
         for b in live:
             self.gaps[b] += k + 1
         inflight.append((self.step_no, k, self.reader.start(out)))
