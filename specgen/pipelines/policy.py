@@ -39,7 +39,7 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   more, a step that is timed (the catch-up is not), so the variant's cost stays measured too. A
   probe that confirms k = 0 doubles the interval (up to `max_interval`, which keeps every catch-up
   inside the draft's window); a win resets it. A variant whose cost was only estimated (from eager
-  times, before it was compiled) runs as soon as it exists until one of its steps is timed. While some
+  times, before it was compiled) runs as soon as it exists until three of its steps are timed. While some
   k > 0 wins, every `probe_interval` steps one step tries k + 1 or, now and then (more often when it
   comes close), k - 1: the next position stays measured, and so does the cost of the cheaper variant
   (plain decoding's, for k = 1), which otherwise nothing would refresh. A probe up is made only while
@@ -72,6 +72,7 @@ DOWN_PROBE_CLOSE = 0.85    # a cheaper variant within 15% of the best is probed 
 DOWN_PROBE_EVERY = 4       # ... others every 4th
 PACE_RATE = 0.1            # the machine's pace: an EMA over the last ~10 steps
 PACE_CLAMP = (0.5, 2.0)    # one step moves it by at most this factor of its variant's cost
+FIRST_TIMINGS = 3          # an estimated variant, once compiled, is judged on its first 3 timed steps
 UCB_SIGMAS = 2.0           # a probe up assumes the next position accepts this many standard errors better
 
 
@@ -167,7 +168,7 @@ class AdaptivePolicy:
     _produced: float = field(init=False, default=0.0)
     pace: float = field(init=False, default=1.0)         # today's step time / the stored (profiled) scale
     _last_timed: tuple[int, int] | None = field(init=False, default=None)   # (width, k) of the last steady step
-    _estimated: set[tuple[int, int]] = field(init=False, default_factory=set)  # (width, k) never timed
+    _estimated: dict[tuple[int, int], int] = field(init=False, default_factory=dict)  # (width, k): steps timed
     _second_step: int | None = field(init=False, default=None)   # a probe from plain steps, run twice
     _probed_from: int | None = field(init=False, default=None)  # the choice at the last probe
     last_choice: int = field(init=False, default=0)
@@ -200,9 +201,18 @@ class AdaptivePolicy:
     def observe_step(self, k: int, width: int, seconds: float) -> None:
         key = (width, k)
         cost = self._costs.get(key)
-        if key in self._estimated:        # the first time of a variant only estimated so far replaces it
-            self._estimated.discard(key)
-            self._costs[key] = _Cost(seconds / self.pace, profiled=True)
+        if key in self._estimated:
+            # a variant only estimated so far: its first timed steps replace the estimate, and it is
+            # judged on their median once there are FIRST_TIMINGS of them (one step can be odd)
+            timed = self._estimated[key]
+            if timed == 0:
+                self._costs[key] = _Cost(seconds / self.pace, profiled=False)
+            else:
+                cost.add(seconds / self.pace)
+            if timed + 1 >= FIRST_TIMINGS:
+                del self._estimated[key]
+            else:
+                self._estimated[key] = timed + 1
         elif cost is None:
             self._costs[key] = _Cost(seconds / self.pace, profiled=False)
         else:
@@ -219,9 +229,9 @@ class AdaptivePolicy:
         compiling is tried by the next steps until one is timed (`choose`)."""
         self._costs[(width, k)] = _Cost(seconds / self.pace, profiled=True)
         if estimated:
-            self._estimated.add((width, k))
+            self._estimated[(width, k)] = 0
         else:
-            self._estimated.discard((width, k))
+            self._estimated.pop((width, k), None)
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -301,8 +311,8 @@ class AdaptivePolicy:
         choice = compile if compile is not None else best
         self.reason = "compile" if compile is not None else "best"
         # a variant compiled since its cost was estimated (eager times are a poor guide to compiled
-        # ones: a bench's auto never ran k = 1 on an estimate, where k = 1 paid most) runs until a
-        # step of it is timed (its first step after plain ones catches up and is not)
+        # ones: a bench's auto never ran k = 1 on an estimate, where k = 1 paid most) runs until
+        # FIRST_TIMINGS of its steps are timed (its first step after plain ones catches up and is not)
         untimed = [k for k in ready if k > 0 and (width, k) in self._estimated]
         if compile is None and untimed:
             self.last_choice, self.reason = max(untimed, key=ready.get), "probe"
