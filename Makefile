@@ -28,7 +28,8 @@ DEMO := --no-resume --set runtime.batch_size=1 --set runtime.compile=true --set 
 # decides), and the demo is here to show speculation; k = 1 is what auto picks for this draft on
 # long jobs on such a CPU (README: what to expect).
 demo: setup
-	$(BIN)/specgen run recipes/smollm2-eagle3.yaml $(DEMO) --set draft.num_speculative_tokens=1
+	$(BIN)/specgen run recipes/smollm2-eagle3.yaml $(DEMO) \
+		--set draft.num_speculative_tokens=1 --set draft.max_speculative_tokens=null
 	# the same prompts without a draft: identical tokens (greedy), and the speed-up
 	$(BIN)/specgen run recipes/smollm2-ar.yaml $(DEMO)
 	$(BIN)/python benchmarks/compare_runs.py outputs/smollm2-eagle3.jsonl outputs/smollm2-ar.jsonl

@@ -467,7 +467,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
     k = check.get(d, "draft.num_speculative_tokens", _auto_kept(_integer(1, MAX_NUM_SPECULATIVE_TOKENS)), None)
     k_max = check.get(d, "draft.max_speculative_tokens", _optional(_integer(1, MAX_NUM_SPECULATIVE_TOKENS)), None)
     if k_max is not None and k != "auto":
-        check.problems.append(("draft.max_speculative_tokens", "only applies to num_speculative_tokens: auto"))
+        check.problems.append(("draft.max_speculative_tokens", "only applies to num_speculative_tokens: auto (null when K is pinned)"))
     if method != "none":
         if k is None and method not in K_FROM_DRAFT:
             k = DEFAULT_NUM_SPECULATIVE_TOKENS

@@ -208,6 +208,13 @@ def test_probes_out_of_plain_steps_keep_the_variants_cost_measured():
     assert choices[:7].count(1) == 0 and choices[-100:].count(1) >= 95
 
 
+def test_no_probes_out_of_plain_steps_for_a_k_that_cannot_win():
+    # a step of 1 draft costs 2x a plain one (8 slots on 2 CPU cores): with position 1 accepting
+    # about 30%, not even an optimistic acceptance pays for it, so plain steps are never left
+    policy = policy_with({0: 0.040, 1: 0.080}, k_max=1, prior=0.3)
+    assert drive(policy, lambda k: 0, 300, available={1}).count(1) == 0
+
+
 def test_per_position_prior_from_acceptance_lengths():
     # a1 = 0.5, a2 = 0.4, a3 = 0.25: L1 = 1.5, L2 = 1.7, L3 = 1.75
     assert per_position_prior({1: 1.5, 2: 1.7, 3: 1.75}) == pytest.approx([0.5, 0.4, 0.25])

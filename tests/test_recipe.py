@@ -134,7 +134,7 @@ def test_int_accepted_as_float():
         ),
         (
             with_section("draft", method="eagle3", model="d", num_speculative_tokens=2, max_speculative_tokens=4),
-            "recipe.draft.max_speculative_tokens: only applies to num_speculative_tokens: auto",
+            "recipe.draft.max_speculative_tokens: only applies to num_speculative_tokens: auto (null when K is pinned)",
         ),
         (
             with_section("draft", method="eagle3", model="d", num_speculative_tokens="auto", max_speculative_tokens=0),

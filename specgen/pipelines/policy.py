@@ -39,7 +39,9 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   more, a step that is timed (the catch-up is not), so the variant's cost stays measured too. A
   probe that confirms k = 0 doubles the interval (up to `max_interval`, which keeps every catch-up
   inside the draft's window); a win resets it. A variant whose cost was only estimated (from eager
-  times, before it was compiled) runs as soon as it exists until three of its steps are timed. While some
+  times, before it was compiled) runs as soon as it exists until three of its steps are timed. No
+  probe leaves plain steps for a k that could not win even with its first position at an upper
+  confidence bound and its cost 20% below the estimate. While some
   k > 0 wins, every `probe_interval` steps one step tries k + 1 or, now and then (more often when it
   comes close), k - 1: the next position stays measured, and so does the cost of the cheaper variant
   (plain decoding's, for k = 1), which otherwise nothing would refresh. A probe up is made only while
@@ -72,6 +74,7 @@ DOWN_PROBE_CLOSE = 0.85    # a cheaper variant within 15% of the best is probed 
 DOWN_PROBE_EVERY = 4       # ... others every 4th
 PACE_RATE = 0.1            # the machine's pace: an EMA over the last ~10 steps
 PACE_CLAMP = (0.5, 2.0)    # one step moves it by at most this factor of its variant's cost
+COST_DOUBT = 0.8           # a probe out of plain steps is made while k would win at 0.8x its cost
 FIRST_TIMINGS = 3          # an estimated variant, once compiled, is judged on its first 3 timed steps
 UCB_SIGMAS = 2.0           # a probe up assumes the next position accepts this many standard errors better
 
@@ -365,6 +368,7 @@ class AdaptivePolicy:
         if choice == 0:
             # a compiled draft if there is one: an eager probe costs about a step more
             ks = [k for k in available if k > 0] or [k for k in probe_ks if k > 0]
+            ks = [k for k in ks if self._could_beat_plain(k, slots, width)]
             if not ks:
                 return None
             return max(ks, key=lambda k: rates.get(k, 0.0))
@@ -379,6 +383,14 @@ class AdaptivePolicy:
             self._since_down = 0
             return down
         return up if can_up else None
+
+    def _could_beat_plain(self, k: int, slots: Sequence[SlotView], width: int) -> bool:
+        """Whether k drafts could beat plain steps with the first position at its optimistic
+        acceptance and k's cost COST_DOUBT below its estimate: a probe is what would correct either,
+        and where even that loses (8 slots on 2 CPU cores: a k = 1 step cost 2x a plain one), probing
+        only costs (a bench's auto spent 5% of its steps on k = 1 there)."""
+        optimistic = self.rates(slots, width, self.optimistic_job_rates(0))
+        return optimistic.get(k, 0.0) / COST_DOUBT > optimistic.get(0, 0.0)
 
     def _may_win(self, k: int, choice: int, slots: Sequence[SlotView], width: int) -> bool:
         """Whether k drafts beat `choice` with k's last position at its optimistic acceptance."""
