@@ -49,7 +49,6 @@ from specgen.sampling import SamplingTensors
 CPU_FREEZE_MAX_SLOTS = 64
 
 
-
 def freezes(device: torch.device, slots: int) -> bool:
     """Whether a compiled step over `slots` slots folds its weights in (see StepFunctions). Decided by
     the slots, not the step's rows: the speculative step and plain decoding at one batch size must
@@ -249,7 +248,8 @@ class StepFunctions:
         rows = self._arange("rows", t, dynamic=False)
         fn = self._verifies.get(t)
         if fn is None:
-            fn = self._verifies[t] = self._compile(self.unified.verify_block) if self.compiled else self.unified.verify_block
+            verify = self.unified.verify_block
+            fn = self._verifies[t] = self._compile(verify) if self.compiled else verify
         return self._timed(("verify", t), fn, state, caches, sampling, self.key_index(kv_len), rows)
 
     def draft(self, kv_len: int, window: int, k: int, *, eager: bool = False) -> None:

@@ -62,11 +62,13 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
 
     missing_verify = [t for t in range(2, k_max + 2) if t not in verify]
     missing_draft = [k for k in range(1, k_max + 1) if k not in draft]
+    # compile time estimates: a verify graph costs what the plain step's did, a draft its share of it
+    verify_compile = max(functions.compile_seconds.get(("verify", 1), 0.0), MIN_COMPILE_SECONDS)
+    draft_compile: dict[int, float] = {}
     if missing_verify or missing_draft:
         # Not compiled yet: eager times, scaled as the plain step scales from eager to compiled.
         plain_eager = eager_verify(1)
         ratio = min(1.0, verify[1] / plain_eager)
-        verify_compile = max(functions.compile_seconds.get(("verify", 1), 0.0), MIN_COMPILE_SECONDS)
         for t in missing_verify:
             verify[t] = eager_verify(t) * ratio
         for k in missing_draft:
@@ -74,11 +76,16 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
             eager = _time(device, lambda k=k, w=window: unified.draft_block(state, caches, sampling, key_index,
                                                                             w, k), 1)
             draft[k] = eager * ratio
-            share = min(1.0, eager / plain_eager)
-            policy.compile_estimate[k] = max(MIN_COMPILE_SECONDS, verify_compile * share)
+            draft_compile[k] = verify_compile * min(1.0, eager / plain_eager)
+
+    def estimate_compiles() -> None:
         for k in range(1, k_max + 1):
-            policy.compile_estimate[k] = ((verify_compile if k + 1 in missing_verify else 0.0)
-                                          + (policy.compile_estimate[k] if k in missing_draft else 0.0))
+            if k not in functions.compiled_ks:
+                seconds = ((0.0 if functions.verify_ready(k + 1) else verify_compile)
+                           + (0.0 if functions.draft_ready(k) else draft_compile.get(k, 0.0)))
+                policy.compile_estimate[k] = max(MIN_COMPILE_SECONDS, seconds)
+
+    estimate_compiles()
     for k in range(k_max + 1):
         estimated = k + 1 in missing_verify or k in missing_draft
         policy.set_cost(k, slots, verify[k + 1] + draft.get(k, 0.0), estimated=estimated)
@@ -94,16 +101,11 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
         spent = functions.compiled_seconds() - before
         policy.set_cost(best, slots, _time(device, lambda: functions.verify(kv_len, best + 1))
                         + _time(device, lambda: functions.draft(kv_len, best + 1, best)))
-        draft_compile = functions.compile_seconds.get(best)
-        verify_compile = functions.compile_seconds.get(("verify", best + 1))
-        for k in range(1, k_max + 1):
-            if k in functions.compiled_ks:
-                continue
-            estimate = 0.0
-            if not functions.verify_ready(k + 1):
-                estimate += verify_compile if verify_compile else spent
-            if not functions.draft_ready(k):
-                estimate += max(MIN_COMPILE_SECONDS, draft_compile * k / best) if draft_compile else 0.0
-            policy.compile_estimate[k] = max(MIN_COMPILE_SECONDS, estimate)
+        # the others from what compiling this variant really took
+        verify_compile = functions.compile_seconds.get(("verify", best + 1)) or spent
+        measured_draft = functions.compile_seconds.get(best)
+        if measured_draft:
+            draft_compile = {k: measured_draft * k / best for k in range(1, k_max + 1)}
+        estimate_compiles()
     state.active.zero_()
     return time.perf_counter() - start

@@ -217,9 +217,8 @@ class Runner:
                     key_index = self.functions.key_index(self.kv_bucket(call.width))
                     batches.append(pack(call, self.alloc_len, key_index, self.device))
             # a fixed k > 0 never runs the plain step; an adaptive policy starts from it (profile.py)
-            fixed = self.policy.k if isinstance(self.policy, FixedPolicy) else 0
-            seconds += self.functions.warm_up(self.kv_bucket(0), batches, (fixed,) if fixed else (),
-                                              plain=not fixed)
+            seconds += self._compile_variant(self.policy.k if isinstance(self.policy, FixedPolicy) else 0,
+                                             batches)
         if any(p is self.policy for p in self._prepared):
             return seconds
         self._prepared.append(self.policy)
@@ -229,10 +228,14 @@ class Runner:
             spent = calibrate(self.policy, self.functions, self.kv_bucket(0), self.batch_size)
             seconds += spent if self.compiled else 0.0     # eager: profiling is part of the run
         else:
-            k, functions = self.policy.k, self.functions
-            if (k and k not in functions.compiled_ks) or (not k and not functions.verify_ready(1)):
-                seconds += functions.warm_up(self.kv_bucket(0), [], (k,) if k else (), plain=not k)
+            k = self.policy.k
+            if not (self.functions.verify_ready(1) if k == 0 else k in self.functions.compiled_ks):
+                seconds += self._compile_variant(k, [])
         return seconds
+
+    def _compile_variant(self, k: int, prefill_batches: list) -> float:
+        """Compile variant k before the run (k = 0: the plain step); seconds spent."""
+        return self.functions.warm_up(self.kv_bucket(0), prefill_batches, (k,) if k else (), plain=not k)
 
     def use_policy(self, policy: AdaptivePolicy | FixedPolicy) -> None:
         """Choose k with `policy` from the next run on (bench: fixed K and auto over one compiled
