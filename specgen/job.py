@@ -123,20 +123,20 @@ def resolve(recipe: Recipe) -> Resolved:
         raise InputError(str(err)) from err
     dtype = DTYPES[dtype_name]
     resolved = Resolved(device, dtype, folder, config, draft_folder, draft_cfg,
-                        draft_dtype(recipe.draft.dtype, dtype))
+                        draft_dtype(recipe.draft.dtype, dtype, device))
     check_checkpoints(recipe, resolved)
     return resolved
 
 
-def draft_dtype(name: str, target_dtype: torch.dtype) -> torch.dtype:
-    """`draft.dtype`: auto = the target's. Another dtype is allowed (the draft only proposes, so a
-    float32 target keeps its exact output beside a bf16 draft: drafts/precision.py), but is not the
-    default: measured on 2 AMD EPYC Zen 4 cores (SmolLM2 float32, EAGLE-3, batch 1, compiled, one
-    interleaved bench), a bf16 draft left the K = 1 step at 20.3 ms against 20.6 and K = 2 at 33.8
-    against 34.0: a draft pass of a few MB is not where the step's time goes."""
+def draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """`draft.dtype`: auto = bfloat16 where the device multiplies it natively (`auto_dtype`), else the
+    target's. The draft only proposes, so a float32 target keeps its exact output beside a bf16 draft
+    (drafts/precision.py), and a draft pass reads every draft weight for a few rows: its time is the
+    bytes it reads. Where bf16 is emulated a bf16 GEMM converts every weight and runs slower, so the
+    draft keeps the target's dtype there. Figures: README, "Which dtype"."""
     if name != "auto":
         return DTYPES[name]
-    return target_dtype
+    return torch.bfloat16 if auto_dtype(device) == "bfloat16" else target_dtype
 
 
 def auto_dtype(device: torch.device) -> str:

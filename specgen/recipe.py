@@ -84,7 +84,8 @@ class DraftSpec:
     stochastic: bool = False  # sample drafts from q and use full rejection sampling
     max_speculative_tokens: int | None = None  # auto only: the largest k (None: the method's default)
     # The draft only proposes, so its precision changes how often it is right, never what is kept:
-    # auto = the target's; bfloat16 beside a float32 target keeps its exact output (job.draft_dtype).
+    # auto = bfloat16 where the device multiplies it natively, else the target's; a bf16 draft beside
+    # a float32 target keeps the target's exact output (job.draft_dtype).
     dtype: str = "auto"
 
     @property

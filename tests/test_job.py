@@ -49,9 +49,14 @@ def test_memory_estimate_counts_weights_caches_and_transients():
         assert ("CUDA graph pool" in parts) is graphs
 
 
-def test_the_draft_takes_the_targets_dtype_unless_set():
-    from specgen.job import draft_dtype
+def test_the_draft_runs_in_bf16_where_the_device_multiplies_it_natively(monkeypatch):
+    import specgen.job as job
 
-    fp32, bf16 = torch.float32, torch.bfloat16
-    assert draft_dtype("auto", fp32) == fp32 and draft_dtype("auto", bf16) == bf16
-    assert draft_dtype("bfloat16", fp32) == bf16 and draft_dtype("float32", bf16) == fp32
+    fp32, bf16, cpu = torch.float32, torch.bfloat16, torch.device("cpu")
+    for native in (True, False):
+        monkeypatch.setattr(job, "cpu_has_bf16", lambda: native)
+        # auto: bf16 where bf16 GEMMs are native (whatever the target's dtype), else the target's
+        assert job.draft_dtype("auto", fp32, cpu) == (bf16 if native else fp32)
+        assert job.draft_dtype("auto", bf16, cpu) == bf16
+        # a dtype set is kept either way
+        assert job.draft_dtype("bfloat16", fp32, cpu) == bf16 and job.draft_dtype("float32", bf16, cpu) == fp32
