@@ -133,7 +133,7 @@ def draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device) -> t
     target's. The draft only proposes, so a float32 target keeps its exact output beside a bf16 draft
     (drafts/precision.py), and a draft pass reads every draft weight for a few rows: its time is the
     bytes it reads. Where bf16 is emulated a bf16 GEMM converts every weight and runs slower, so the
-    draft keeps the target's dtype there. Figures: README, "Which dtype"."""
+    draft keeps the target's dtype there. Figures: README, "The draft's dtype"."""
     if name != "auto":
         return DTYPES[name]
     return torch.bfloat16 if auto_dtype(device) == "bfloat16" else target_dtype
