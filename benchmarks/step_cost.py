@@ -3,10 +3,11 @@
 One step drafts k tokens per slot and verifies k + 1. This script times steps of each shipped draft
 (the recipes' own checkpoints) at every K asked, and of plain decoding (`draft.method: none`), on the
 same target, prompts and batch size, in one process, and prints the ratio: the acceptance length a
-draft needs to break even at that K. On CPU (where each call returns when its work is done) it also
-prints the median time of the step's two compiled calls, the target's verify and the draft. Every K of a draft runs on one compiled step (verify is one
-graph for every number of rows; each draft variant is compiled once), as `num_speculative_tokens:
-auto` runs it. `--dummy` swaps in random-init drafts of the published layouts instead (EAGLE-3's
+draft needs to break even at that K, and the median time of the step's two compiled calls, the
+target's verify and the draft (meaningful on CPU, where a call returns when its work is done; on
+CUDA it returns once the work is queued). Every K of a draft runs on one compiled step (verify is
+one graph for every number of rows; each draft variant is compiled once), as
+`num_speculative_tokens: auto` runs it. `--dummy` swaps in random-init drafts of the published layouts instead (EAGLE-3's
 then has the target's whole vocabulary as its head, where the shipped draft has 8,192 rows).
 
     python benchmarks/step_cost.py --batch-sizes 1 8 --ks 1 2 3 [--compile] [--dummy]
