@@ -7,8 +7,9 @@ draft needs to break even at that K, and the median time of the step's two compi
 target's verify and the draft (meaningful on CPU, where a call returns when its work is done; on
 CUDA it returns once the work is queued). Every K of a draft runs on one compiled step (verify is
 one graph for every number of rows; each draft variant is compiled once), as
-`num_speculative_tokens: auto` runs it. `--dummy` swaps in random-init drafts of the published layouts instead (EAGLE-3's
-then has the target's whole vocabulary as its head, where the shipped draft has 8,192 rows).
+`num_speculative_tokens: auto` runs it. `--dummy` swaps in random-init drafts of the published
+layouts instead (EAGLE-3's then has the target's whole vocabulary as its head, where the shipped
+draft has 8,192 rows).
 
     python benchmarks/step_cost.py --batch-sizes 1 8 --ks 1 2 3 [--compile] [--dummy]
         [--dtype float32] [--draft-dtype float32]
