@@ -33,6 +33,37 @@ def test_compiled_step_equals_eager(models, sampling):  # noqa: F811
     assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
 
 
+@pytest.mark.parametrize("rows", [1, 16])
+def test_every_cpu_gemm_takes_the_template_without_autotuning(rows):
+    """CPU_FROZEN_SETTINGS: each GEMM of a frozen CPU step runs Inductor's C++ template, chosen without
+    benchmarking, whatever its row count (autotuning had taken MKL for 16 rows and more: steps of 2
+    rows per slot at batch 8 ran as slowly as eager ones)."""
+    from specgen.pipelines.compiled import _take_templates_without_autotuning, _under_settings, own_code
+
+    class TwoLinears(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up = torch.nn.Linear(64, 96, bias=False)
+            self.down = torch.nn.Linear(96, 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(torch.nn.functional.silu(self.up(x)))
+
+    module = TwoLinears().eval()
+    x = torch.randn(rows, 64)
+    _take_templates_without_autotuning()
+    compiled = _under_settings(torch.compile(own_code(module.forward), fullgraph=True, dynamic=False),
+                               True, torch.device("cpu"))
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.inference_mode():
+        out = compiled(x)
+        expected = module(x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
+    assert counters["inductor"]["cpp_templated_kernel_counter"] == 2
+    assert counters["inductor"]["select_algorithm_autotune"] == 0
+
+
 def test_triton_kernel_inside_the_pipeline_equals_reference(models, monkeypatch):  # noqa: F811
     target, draft = models
     ids = prompts(lengths=(4, 9))

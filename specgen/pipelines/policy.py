@@ -41,7 +41,9 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   inside the draft's window); a win resets it. A variant whose cost was only estimated (from eager
   times, before it was compiled) runs as soon as it exists until three of its steps are timed. No
   probe leaves plain steps for a k that could not win even with its first position at an upper
-  confidence bound and its cost 20% below the estimate. While some
+  confidence bound and its cost 20% below the estimate (at the estimate itself once three of its
+  steps are timed: at 16 slots a k = 1 step measured at 1.6x a plain one kept being probed every
+  32 steps, 6% of the job's time, for a first position that accepted 27%). While some
   k > 0 wins, every `probe_interval` steps one step tries k + 1 or, now and then (more often when it
   comes close), k - 1: the next position stays measured, and so does the cost of the cheaper variant
   (plain decoding's, for k = 1), which otherwise nothing would refresh. A probe up is made only while
@@ -74,7 +76,9 @@ DOWN_PROBE_CLOSE = 0.85    # a cheaper variant within 15% of the best is probed 
 DOWN_PROBE_EVERY = 4       # ... others every 4th
 PACE_RATE = 0.1            # the machine's pace: an EMA over the last ~10 steps
 PACE_CLAMP = (0.5, 2.0)    # one step moves it by at most this factor of its variant's cost
-COST_DOUBT = 0.8           # a probe out of plain steps is made while k would win at 0.8x its cost
+COST_DOUBT = 0.8           # a probe out of plain steps is made while k would win at 0.8x its cost,
+                           # ... until FIRST_TIMINGS of its steps are timed
+OUTLIER = 2.0              # one step moves a variant's cost sample by at most this factor
 FIRST_TIMINGS = 3          # an estimated variant, once compiled, is judged on its first 3 timed steps
 UCB_SIGMAS = 2.0           # a probe up assumes the next position accepts this many standard errors better
 
@@ -128,6 +132,10 @@ class _Acceptance:
             self.attempts[j] = self.attempts[j] * decay + 1.0
             self.accepts[j] = self.accepts[j] * decay + (j < accepted)
 
+    def fade(self, decay: float) -> None:
+        self.attempts = [n * decay for n in self.attempts]
+        self.accepts = [a * decay for a in self.accepts]
+
     def rates(self, prior: Sequence[float], weight: float) -> list[float]:
         return [(s + weight * p) / (n + weight) for s, n, p in zip(self.accepts, self.attempts, prior)]
 
@@ -136,15 +144,21 @@ class _Cost:
     """A variant's step time: the median of its last COST_WINDOW observed steps. A profiled figure
     counts as PROFILE_WEIGHT observations, so one odd step (the first after a bucket change, a GC
     pause) never replaces it: a mean did, and a plain step measured once at 1.5x its cost kept a
-    demo job on k = 1 (52.6 ms estimated for k = 0, ~30 ms true)."""
+    demo job on k = 1 (52.6 ms estimated for k = 0, ~30 ms true). A sample is also held within
+    OUTLIER of the current figure: a plain step of a 16-slot bench took 4x its neighbours once, and
+    beside two profiled figures and one timed step it moved the median by 40% (k = 1 then ran 30
+    steps at a loss). `timed` counts the steps behind the figure (profiled ones not counted)."""
 
-    __slots__ = ("recent",)
+    __slots__ = ("recent", "timed")
 
     def __init__(self, seconds: float, profiled: bool) -> None:
         self.recent: deque[float] = deque([seconds] * (PROFILE_WEIGHT if profiled else 1), maxlen=COST_WINDOW)
+        self.timed = 0 if profiled else 1
 
     def add(self, seconds: float) -> None:
-        self.recent.append(seconds)
+        current = self.seconds
+        self.recent.append(min(max(seconds, current / OUTLIER), current * OUTLIER))
+        self.timed += 1
 
     @property
     def samples(self) -> int:
@@ -197,6 +211,12 @@ class AdaptivePolicy:
     def observe_block(self, slot: int, k: int, accepted: int) -> None:
         self._produced += accepted + 1
         if k == 0:
+            # A plain step measures nothing, but the slot's text moves on: its own evidence fades back
+            # to the job's estimate. Kept, a slot that once rejected a few blocks stayed on plain steps
+            # until a probe (50 steps at batch 1, where the job's figures said k = 1 paid 8%).
+            own = self._slots.get(slot)
+            if own is not None:
+                own.fade(SLOT_DECAY)
             return
         self._job.add(k, accepted, JOB_DECAY)
         self._slots.setdefault(slot, _Acceptance.empty(self.k_max)).add(k, accepted, SLOT_DECAY)
@@ -221,7 +241,11 @@ class AdaptivePolicy:
         else:
             low, high = PACE_CLAMP
             ratio = min(max(seconds / cost.seconds, low), high)     # this step's pace
-            if key != self._last_timed:
+            # the first step after the profile only sets the pace: the profile timed the variants side
+            # by side but at the shortest kv bucket with no slot live, and a 16-slot job's steps
+            # then ran 1.5x slower than profiled; taken as a sample, that step made plain steps
+            # look 20% dearer against the rest for the whole job
+            if self._last_timed is not None and key != self._last_timed:
                 cost.add(seconds / self.pace)
             self.pace += PACE_RATE * (ratio - self.pace)
         self._last_timed = key
@@ -386,11 +410,13 @@ class AdaptivePolicy:
 
     def _could_beat_plain(self, k: int, slots: Sequence[SlotView], width: int) -> bool:
         """Whether k drafts could beat plain steps with the first position at its optimistic
-        acceptance and k's cost COST_DOUBT below its estimate: a probe is what would correct either,
-        and where even that loses (8 slots on 2 CPU cores: a k = 1 step cost 2x a plain one), probing
+        acceptance and k's cost COST_DOUBT below its estimate until FIRST_TIMINGS of its steps are
+        timed (then at the estimate): a probe is what would correct either, and where even that loses (8 slots on 2 CPU cores: a k = 1 step cost 2x a plain one), probing
         only costs (a bench's auto spent 5% of its steps on k = 1 there)."""
         optimistic = self.rates(slots, width, self.optimistic_job_rates(0))
-        return optimistic.get(k, 0.0) / COST_DOUBT > optimistic.get(0, 0.0)
+        cost = self._costs.get((width, k))
+        doubt = COST_DOUBT if cost is None or cost.timed < FIRST_TIMINGS else 1.0
+        return optimistic.get(k, 0.0) / doubt > optimistic.get(0, 0.0)
 
     def _may_win(self, k: int, choice: int, slots: Sequence[SlotView], width: int) -> bool:
         """Whether k drafts beat `choice` with k's last position at its optimistic acceptance."""
