@@ -192,6 +192,23 @@ def test_a_variant_compiled_after_an_estimate_is_timed_before_it_is_judged():
     assert choices[:3] == [1, 1, 1] and choices[-40:].count(1) >= 38
 
 
+def test_an_odd_first_timed_step_of_an_estimated_variant_is_outvoted():
+    # a bench's auto: k = 1, compiled by another configuration, ran its first timed step at 121 ms
+    # (5x its next ones, 22-23 ms, against 20 for plain steps). With position 1 accepting 25%, k = 1
+    # pays and must win once its next steps are timed.
+    policy = AdaptivePolicy(1, [0.25])
+    policy.set_cost(0, WIDTH, 0.020)
+    policy.set_cost(1, WIDTH, 0.030, estimated=True)
+    choices = []
+    for step in range(40):
+        k = policy.choose(SLOTS, {1}, WIDTH)
+        choices.append(k)
+        policy.observe_step(k, WIDTH, 0.121 if k and choices.count(1) == 1 else {0: 0.020, 1: 0.0225}[k])
+        for b in range(WIDTH):
+            policy.observe_block(b, k, int(k > 0 and step % 4 == 0))
+    assert choices[-20:].count(1) >= 18
+
+
 def test_probes_out_of_plain_steps_keep_the_variants_cost_measured():
     # k = 1 was once timed at 60 ms (one slow step) against 40 for plain steps; really it takes 42,
     # and position 1 accepts half the time. A probe's first step catches the draft up (not timed, as

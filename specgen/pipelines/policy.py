@@ -78,7 +78,6 @@ PACE_RATE = 0.1            # the machine's pace: an EMA over the last ~10 steps
 PACE_CLAMP = (0.5, 2.0)    # one step moves it by at most this factor of its variant's cost
 COST_DOUBT = 0.8           # a probe out of plain steps is made while k would win at 0.8x its cost,
                            # ... until FIRST_TIMINGS of its steps are timed
-OUTLIER = 2.0              # one step moves a variant's cost sample by at most this factor
 FIRST_TIMINGS = 3          # an estimated variant, once compiled, is judged on its first 3 timed steps
 UCB_SIGMAS = 2.0           # a probe up assumes the next position accepts this many standard errors better
 
@@ -144,10 +143,10 @@ class _Cost:
     """A variant's step time: the median of its last COST_WINDOW observed steps. A profiled figure
     counts as PROFILE_WEIGHT observations, so one odd step (the first after a bucket change, a GC
     pause) never replaces it: a mean did, and a plain step measured once at 1.5x its cost kept a
-    demo job on k = 1 (52.6 ms estimated for k = 0, ~30 ms true). A sample is also held within
-    OUTLIER of the current figure: a plain step of a 16-slot bench took 4x its neighbours once, and
-    beside two profiled figures and one timed step it moved the median by 40% (k = 1 then ran 30
-    steps at a loss). `timed` counts the steps behind the figure (profiled ones not counted)."""
+    demo job on k = 1 (52.6 ms estimated for k = 0, ~30 ms true). Samples are not clamped to the
+    current figure: that figure may itself be the odd one (a variant's first timed step took 5x its
+    next ones, and clamped to it they kept k = 1 at 2.6x its cost for the rest of a bench).
+    `timed` counts the steps behind the figure (profiled ones not counted)."""
 
     __slots__ = ("recent", "timed")
 
@@ -156,8 +155,7 @@ class _Cost:
         self.timed = 0 if profiled else 1
 
     def add(self, seconds: float) -> None:
-        current = self.seconds
-        self.recent.append(min(max(seconds, current / OUTLIER), current * OUTLIER))
+        self.recent.append(seconds)
         self.timed += 1
 
     @property
