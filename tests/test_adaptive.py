@@ -182,14 +182,22 @@ def test_a_variant_compiled_after_an_estimate_is_timed_before_it_is_judged():
     policy.set_cost(0, WIDTH, 0.040)
     policy.set_cost(1, WIDTH, 0.060, estimated=True)
     assert policy.choose(SLOTS, set(), WIDTH) == 0
+    choices = time_an_estimated_k1(policy, {0: 0.040, 1: 0.042}, 0.070, lambda step, b: b % 2, 50)
+    assert choices[:3] == [1, 1, 1] and choices[-40:].count(1) >= 38
+
+
+def time_an_estimated_k1(policy: AdaptivePolicy, seconds: dict[int, float], first: float, accepted,
+                         steps: int) -> list[int]:
+    """Steps once k = 1 runs without compiling: its first timed step takes `first`, the others
+    `seconds`; slot b accepts `accepted(step, b)` of a k = 1 block."""
     choices = []
-    for _ in range(50):
+    for step in range(steps):
         k = policy.choose(SLOTS, {1}, WIDTH)
         choices.append(k)
-        policy.observe_step(k, WIDTH, 0.070 if k and choices.count(1) == 1 else {0: 0.040, 1: 0.042}[k])
+        policy.observe_step(k, WIDTH, first if k and choices.count(1) == 1 else seconds[k])
         for b in range(WIDTH):
-            policy.observe_block(b, k, k and b % 2)
-    assert choices[:3] == [1, 1, 1] and choices[-40:].count(1) >= 38
+            policy.observe_block(b, k, k and accepted(step, b))
+    return choices
 
 
 def test_an_odd_first_timed_step_of_an_estimated_variant_is_outvoted():
@@ -199,13 +207,7 @@ def test_an_odd_first_timed_step_of_an_estimated_variant_is_outvoted():
     policy = AdaptivePolicy(1, [0.25])
     policy.set_cost(0, WIDTH, 0.020)
     policy.set_cost(1, WIDTH, 0.030, estimated=True)
-    choices = []
-    for step in range(40):
-        k = policy.choose(SLOTS, {1}, WIDTH)
-        choices.append(k)
-        policy.observe_step(k, WIDTH, 0.121 if k and choices.count(1) == 1 else {0: 0.020, 1: 0.0225}[k])
-        for b in range(WIDTH):
-            policy.observe_block(b, k, int(k > 0 and step % 4 == 0))
+    choices = time_an_estimated_k1(policy, {0: 0.020, 1: 0.0225}, 0.121, lambda step, b: int(step % 4 == 0), 40)
     assert choices[-20:].count(1) >= 18
 
 
