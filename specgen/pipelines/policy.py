@@ -11,8 +11,8 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
     E_b(k)  = 1 + sum_{i=1..k} prod_{j<=i} a_{b,j}
 
 - a_{b,j}, the acceptance of draft position j given that positions 1..j-1 were accepted, is
-  measured online: per slot (it changes with the text: code, lists, prose) over a prior that is the
-  job's own estimate, which itself starts from the draft card's held-out figures (`prior`) and
+  measured online: per slot (it changes with the text: code, lists, prose; a slot's own evidence
+  fades over its plain steps, back to the job's) over a prior that is the job's own estimate, which itself starts from the draft card's held-out figures (`prior`) and
   forgets old blocks (exponential decay), so both follow the job. A position no step has reached yet
   takes the card's figure scaled by how the job's first position compares with the card's.
 - cost(width, k) is the measured wall time of a step that drafted k (the draft call, the verify of
@@ -239,7 +239,7 @@ class AdaptivePolicy:
         else:
             low, high = PACE_CLAMP
             ratio = min(max(seconds / cost.seconds, low), high)     # this step's pace
-            # the first step after the profile only sets the pace: the profile timed the variants side
+            # the first step after the profile moves only the pace: the profile timed the variants side
             # by side but at the shortest kv bucket with no slot live, and a 16-slot job's steps
             # then ran 1.5x slower than profiled; taken as a sample, that step made plain steps
             # look 20% dearer against the rest for the whole job
@@ -409,8 +409,9 @@ class AdaptivePolicy:
     def _could_beat_plain(self, k: int, slots: Sequence[SlotView], width: int) -> bool:
         """Whether k drafts could beat plain steps with the first position at its optimistic
         acceptance and k's cost COST_DOUBT below its estimate until FIRST_TIMINGS of its steps are
-        timed (then at the estimate): a probe is what would correct either, and where even that loses (8 slots on 2 CPU cores: a k = 1 step cost 2x a plain one), probing
-        only costs (a bench's auto spent 5% of its steps on k = 1 there)."""
+        timed (then at the estimate): a probe is what would correct either, and where even that
+        loses (8 slots on 2 CPU cores: a k = 1 step cost 2x a plain one), probing only costs (a
+        bench's auto spent 5% of its steps on k = 1 there)."""
         optimistic = self.rates(slots, width, self.optimistic_job_rates(0))
         cost = self._costs.get((width, k))
         doubt = COST_DOUBT if cost is None or cost.timed < FIRST_TIMINGS else 1.0
