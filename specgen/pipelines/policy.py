@@ -12,8 +12,9 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
 
 - a_{b,j}, the acceptance of draft position j given that positions 1..j-1 were accepted, is
   measured online: per slot (it changes with the text: code, lists, prose; a slot's own evidence
-  fades over its plain steps, back to the job's) over a prior that is the job's own estimate, which itself starts from the draft card's held-out figures (`prior`) and
-  forgets old blocks (exponential decay), so both follow the job. A position no step has reached yet
+  fades over its plain steps, back to the job's) over a prior that is the job's own estimate,
+  which itself starts from the draft card's held-out figures (`prior`) and forgets old blocks
+  (exponential decay), so both follow the job. A position no step has reached yet
   takes the card's figure scaled by how the job's first position compares with the card's.
 - cost(width, k) is the measured wall time of a step that drafted k (the draft call, the verify of
   k + 1 rows per slot and the host's share), profiled at warm-up and refined online (the median
