@@ -211,6 +211,21 @@ def test_an_odd_first_timed_step_of_an_estimated_variant_is_outvoted():
     assert choices[-20:].count(1) >= 18
 
 
+def run_timed(policy: AdaptivePolicy, step_seconds: dict[int, float], accepted, steps: int) -> list[int]:
+    """`steps` decisions (k = 0 or 1) timed as the runner times them: a draft step after plain ones
+    catches the draft up and is not timed; slot b accepts `accepted(step, b)` of a k = 1 block."""
+    choices, previous = [], 0
+    for step in range(steps):
+        k = policy.choose(SLOTS, {1}, WIDTH)
+        choices.append(k)
+        if not (k > 0 and previous == 0):            # a catch-up step is not the variant's cost
+            policy.observe_step(k, WIDTH, step_seconds[k])
+        for b in range(WIDTH):
+            policy.observe_block(b, k, k and accepted(step, b))
+        previous = k
+    return choices
+
+
 def test_probes_out_of_plain_steps_keep_the_variants_cost_measured():
     # k = 1 was once timed at 60 ms (one slow step) against 40 for plain steps; really it takes 42,
     # and position 1 accepts half the time. A probe's first step catches the draft up (not timed, as
@@ -218,15 +233,7 @@ def test_probes_out_of_plain_steps_keep_the_variants_cost_measured():
     policy = AdaptivePolicy(1, [0.5])
     policy.set_cost(0, WIDTH, 0.040)
     policy.set_cost(1, WIDTH, 0.060)
-    choices, previous = [], 0
-    for _ in range(300):
-        k = policy.choose(SLOTS, {1}, WIDTH)
-        choices.append(k)
-        if not (k == 1 and previous == 0):            # a catch-up step is not the variant's cost
-            policy.observe_step(k, WIDTH, {0: 0.040, 1: 0.042}[k])
-        for b in range(WIDTH):
-            policy.observe_block(b, k, k and b % 2)
-        previous = k
+    choices = run_timed(policy, {0: 0.040, 1: 0.042}, lambda step, b: b % 2, 300)
     assert choices[:7].count(1) == 0 and choices[-100:].count(1) >= 95
 
 
@@ -237,28 +244,13 @@ def test_no_probes_out_of_plain_steps_for_a_k_that_cannot_win():
     assert drive(policy, lambda k: 0, 300, available={1}).count(1) == 0
 
 
-def run_timed(policy: AdaptivePolicy, step_seconds: dict[int, float], accepted, steps: int) -> list[int]:
-    """`steps` decisions timed as the runner times them: a draft step after plain ones catches the
-    draft up and is not timed; every slot accepts `accepted(step, k)` of the k drafted."""
-    choices, previous = [], 0
-    for step in range(steps):
-        k = policy.choose(SLOTS, {1}, WIDTH)
-        choices.append(k)
-        if not (k > 0 and previous == 0):
-            policy.observe_step(k, WIDTH, step_seconds[k])
-        for b in range(WIDTH):
-            policy.observe_block(b, k, accepted(step, k))
-        previous = k
-    return choices
-
-
 def test_probes_stop_once_a_losing_variant_is_timed():
     # 16 slots on 2 CPU cores: a k = 1 step costs 1.6x a plain one and position 1 accepts 30%
     # (1.3 tokens for 1.6x the time). Probes may time k = 1 (its cost is in doubt until three of its
     # steps are timed); after that no step leaves plain decoding for it.
     policy = policy_with({0: 0.040, 1: 0.064}, k_max=1, prior=0.3)
     accepts = itertools.cycle([1, 0, 0, 1, 0, 0, 0, 1, 0, 0])           # 30%, whatever the step
-    choices = run_timed(policy, {0: 0.040, 1: 0.064}, lambda step, k: next(accepts) if k else 0, 1000)
+    choices = run_timed(policy, {0: 0.040, 1: 0.064}, lambda step, b: next(accepts), 1000)
     assert choices[-800:].count(1) == 0
     assert 0 < choices.count(1) <= 8
 
