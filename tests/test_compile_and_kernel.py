@@ -141,3 +141,33 @@ def test_compiled_speculative_step_equals_plain_decoding_in_bfloat16(tmp_path):
     spec, totals = run(runner, ids, max_tokens=40)
     assert totals.k_steps[3] == totals.steps > 0
     assert spec == plain
+
+
+def test_compiled_rotary_angles_are_stored_once_with_the_eager_bits():
+    # Compiled, cos/sin must reach Inductor as one opaque op: as pointwise code it folded their trig
+    # into the attention's loop over keys (one vector cos and sin per key, head and query row).
+    # The op runs the eager code, so compiled and eager rotations agree bit for bit.
+    from specgen.models.layers import RopeSettings, rope_cos_sin, rope_inv_freq
+
+    inv_freq = rope_inv_freq(16, RopeSettings(theta=500000.0, rope_type="llama3", params={
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}))
+    positions = torch.tensor([[0, 1, 2], [37, 900, 4095]])
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm
+
+    def rotate(positions):
+        return rope_cos_sin(positions, inv_freq, torch.float32, 1.25)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(rotate, backend=keep_graph, fullgraph=True)(positions)
+    inductor = torch.compile(rotate, fullgraph=True)(positions)
+    eager = rotate(positions)
+    assert any("specgen.rope_angles" in code for code in graphs)
+    assert not any(".cos(" in code or "torch.cos" in code for code in graphs)
+    for got in (compiled, inductor):
+        assert all(torch.equal(g, e) for g, e in zip(got, eager))
+    assert eager[0].shape == (2, 3, 1, 16)
