@@ -160,8 +160,7 @@ def _rope_angles_eager(positions: torch.Tensor, inv_freq: torch.Tensor, scale: f
 # compiled and eager steps rotate with the same bits.
 @torch.library.custom_op("specgen::rope_angles", mutates_args=())
 def _rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = _rope_angles_eager(positions, inv_freq, scale)
-    return cos.contiguous(), sin.contiguous()
+    return _rope_angles_eager(positions, inv_freq, scale)
 
 
 @_rope_angles.register_fake
