@@ -60,6 +60,11 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
     assert len(spec["k_histogram"]) == 3 and spec["k_histogram"][2] == spec["num_drafts"]
     ar = next(r for r in rows if r["config"] == "ar" and r["batch_size"] == 1)
     assert ar["speedup_vs_ar"] == 1.0 and ar["mean_acceptance_length"] is None
+    # speed-ups pair the runs of one round (bench/measure.py: paired_ratio)
+    import statistics
+    assert spec["speedup_vs_ar"] == pytest.approx(statistics.median(
+        s / a for s, a in zip(spec["samples"], next(r for r in rows if r["config"] == "ar"
+                                                     and r["batch_size"] == spec["batch_size"])["samples"])))
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -120,3 +125,25 @@ def test_hf_in_bench_runs_as_fast_as_hf_alone(tmp_path, monkeypatch):
     else:
         raise AssertionError(f"hf in bench vs alone differ by more than 15% in 3 attempts: {attempts}")
 
+
+
+def test_rounds_alternate_their_order_and_speedups_pair_runs_of_one_round():
+    from specgen.bench.measure import paired_ratio, round_order
+
+    configs = ["ar", "eagle3 K=2", "eagle3 K=auto"]
+    assert [round_order(configs, r) for r in range(3)] == [configs, configs[::-1], configs]
+    # every config runs at the same mean position over two rounds: steady drift through a round
+    # hits them alike
+    positions = {c: sum(round_order(configs, r).index(c) for r in range(2)) for c in configs}
+    assert len(set(positions.values())) == 1
+
+    # The machine slows down 30% between rounds; in each round the draft runs 1.25x as fast as ar.
+    ar = [100.0, 70.0, 100.0, 70.0]
+    spec = [125.0, 87.5, 125.0, 87.5]
+    assert paired_ratio(spec, ar) == pytest.approx(1.25)
+    # a spell that slows one run of one round moves one ratio, not the median
+    assert paired_ratio(spec, [100.0, 70.0, 50.0, 70.0]) == pytest.approx(1.25)
+    # ms per step: a step ratio
+    assert paired_ratio([30.0, 39.0], [20.0, 26.0]) == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        paired_ratio([1.0, 2.0], [1.0])       # every round ran every configuration

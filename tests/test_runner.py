@@ -168,3 +168,24 @@ def test_the_tail_of_a_run_steps_over_fewer_slots_and_loses_nothing(models):
         narrowed = widths[1:] if run_number else widths
         assert narrowed[-1] == 1 and narrowed == sorted(narrowed, reverse=True) and max(narrowed) < 4
         widths.clear()
+
+
+def test_step_seconds_leave_the_prefill_out(models, monkeypatch):
+    """`RunTotals.step_seconds` is what the steps cost (bench's step_ms): admission is not in it. A
+    prefill made 0.2 s slower moves the whole 0.2 s per call out of it."""
+    import time
+
+    target, draft = models
+    runner = runner_for(make_recipe(target, draft, batch=2))
+    calls = []
+    prefill = runner.functions.prefill
+
+    def slow_prefill(batch):
+        calls.append(batch)
+        time.sleep(0.2)
+        return prefill(batch)
+
+    monkeypatch.setattr(runner.functions, "prefill", slow_prefill)
+    _, totals = run(runner, prompts(lengths=(5, 7, 9)), max_tokens=6)
+    assert calls and totals.steps > 0 and totals.step_seconds > 0
+    assert totals.step_seconds <= totals.wall_seconds - 0.2 * len(calls)

@@ -7,12 +7,15 @@ Contract: `run_bench(recipes, options)` measures, on the same prompts, weights a
 - `hf`: transformers' `generate` on the same weights, in a process of its own (bench/hf.py).
 Per batch size, every configuration first runs once untimed (warm-up: compilation, caches; its wall
 time is reported as what a user's first job pays), then the timed runs are INTERLEAVED (config A,
-B, C, A, B, C, ...) `repeats` times, so drift of the machine's speed hits all alike; throughputs are
-medians. Acceptance statistics (vLLM's definitions) add up over the timed runs. The time split of a
+B, C, C, B, A, ...: `round_order`) `repeats` times, so drift of the machine's speed hits all alike;
+throughputs are medians, speed-ups the median of each round's ratio (`paired_ratio`). Acceptance
+statistics (vLLM's definitions) add up over the timed runs. The time split of a
 step comes from one more run of an eager twin of each configuration with a `PhaseTimer`
 (pipelines/phases.py): compiled steps cannot be split without breaking their graph.
-`step_ratio` is a configuration's wall time per step over `ar`'s (what a step of it costs against a
-plain one: the acceptance length it needs to break even); `k_histogram` how often `auto` chose each k.
+`step_ms` is a configuration's wall time per step in its timed runs, admission (the prefill) left out,
+and `step_ratio` that over `ar`'s (paired by round, as speed-ups): what a step of it costs against a
+plain one, the acceptance length it needs to break even. (With the prefill in, a configuration that takes fewer steps for the same
+tokens spreads the same prefill over fewer steps, and its steps looked dearer than they are.) `k_histogram` how often `auto` chose each k.
 Every output token is counted the same way for all configurations: greedy decoding to EOS or
 `max_tokens`, so all of them produce the same tokens (the lossless guarantee) and tokens/s compare.
 The one exception is a recipe with `sampling.relaxed_acceptance`: it is lossy inside reasoning spans,
@@ -68,7 +71,7 @@ class Measurement:
     compiled: bool | None
     spec: dict | None = None              # SpecCounters.to_dict() over the timed runs
     split_ms: dict[str, float] | None = None   # eager step: ms per step by phase
-    step_ms: float | None = None          # timed runs: wall ms per step (all phases, as configured)
+    step_ms: float | None = None          # timed runs: wall ms per step, admission (prefill) left out
     step_ratio: float | None = None       # step_ms over ar's
     peak_memory_bytes: int | None = None
     shares_runner_of: str | None = None   # ran on that config's compiled step: its warm-up is what it added
@@ -250,7 +253,7 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
 
     runners, measurements, policies = {}, {}, {}
     counters: dict[str, SpecCounters | None] = {name: None for name, _, _ in configs}
-    steps = {name: [0, 0.0] for name, _, _ in configs}        # steps and seconds over the timed runs
+    steps: dict[str, list[tuple[int, float]]] = {name: [] for name, _, _ in configs}   # (steps, s) per round
     lead_of = plan_shared_runners(configs)
     by_name = {name: (recipe, checkpoints) for name, recipe, checkpoints in configs}
     # leads first: a shared runner is built (with its own policy) before the configs that borrow it
@@ -281,7 +284,7 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                                              shares_runner_of=lead if lead != name else None)
         measurements = {name: measurements[name] for name, _, _ in configs}   # the configs' order
         for repeat in range(options.repeats):
-            for name, recipe, _ in configs:     # interleaved: machine drift hits every config alike
+            for name, recipe, _ in round_order(configs, repeat):   # interleaved: see round_order
                 status(f"batch {batch}: {name}, run {repeat + 1} of {options.repeats}")
                 m = measurements[name]
                 _reset_peak_memory(resolved.device)
@@ -291,8 +294,7 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                     runners[name].use_policy(policies[name])
                     totals, seconds = _run_specgen(runners[name], prompts, options.max_tokens, f"r{repeat}")
                     tokens = totals.output_tokens
-                    steps[name][0] += totals.steps
-                    steps[name][1] += seconds
+                    steps[name].append((totals.steps, totals.step_seconds))
                     if totals.spec.num_speculative_tokens:
                         if counters[name] is None:      # a fixed K on a shared runner counts its own K
                             k = recipe.draft.num_speculative_tokens
@@ -308,8 +310,8 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
         m = measurements[name]
         if counters[name] is not None:
             m.spec = counters[name].to_dict()
-        if recipe is not None:
-            m.step_ms = 1000 * steps[name][1] / max(1, steps[name][0])
+        if steps[name]:
+            m.step_ms = 1000 * sum(s for _, s in steps[name]) / max(1, sum(n for n, _ in steps[name]))
         if recipe is not None and options.split:
             status(f"batch {batch}: time split of {name} (eager)")
             m.split_ms = _time_split(recipe, checkpoints, batch, options, prompts, target, tokenizer,
@@ -317,12 +319,31 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
     ar, hf = measurements.get("ar"), measurements.get("hf")
     for m in measurements.values():
         if ar is not None:
-            m.speedup_vs_ar = m.tokens_per_second / ar.tokens_per_second
-            if m.step_ms is not None and ar.step_ms:
-                m.step_ratio = m.step_ms / ar.step_ms
+            m.speedup_vs_ar = paired_ratio(m.samples, ar.samples)
+            if steps[m.config] and steps["ar"]:
+                per_step = [s / max(1, n) for n, s in steps[m.config]]
+                m.step_ratio = paired_ratio(per_step, [s / max(1, n) for n, s in steps["ar"]])
         if hf is not None:
-            m.speedup_vs_hf = m.tokens_per_second / hf.tokens_per_second
+            m.speedup_vs_hf = paired_ratio(m.samples, hf.samples)
     return list(measurements.values())
+
+
+def round_order(configs: list, repeat: int) -> list:
+    """The order of the configurations' timed runs in round `repeat`: forwards in even rounds,
+    backwards in odd ones (A B C, C B A, ...). Each round runs every configuration once, so drift
+    slower than a round hits all alike; alternating the order cancels drift that is steady through
+    a round too (with one order, the config run last in every round always ran latest)."""
+    return list(configs) if repeat % 2 == 0 else list(reversed(configs))
+
+
+def paired_ratio(samples: list[float], baseline: list[float]) -> float:
+    """A configuration's figure over a baseline's (tokens/s: its speed-up; ms per step: its step
+    ratio): the median over rounds of the ratio of their runs in that round (run r of each is in
+    round r). Pairing compares runs made seconds apart instead of medians taken across the whole
+    bench: on a shared 2-core VM a run's speed drifts 10-40% over minutes, more than the
+    differences a bench is there to show."""
+    # samples, baseline: one figure per round -> ratio
+    return statistics.median(s / b for s, b in zip(samples, baseline, strict=True))
 
 
 def _specgen_runner(recipe: Recipe, resolved, batch: int, options: BenchOptions, prompts, target, tokenizer,

@@ -1,9 +1,10 @@
 """A bench report three ways: a Rich table, JSON (every figure), and a PNG (matplotlib).
 
-JSON fields per measurement: config, batch_size, tokens_per_second (median), samples, speedup_vs_ar,
-speedup_vs_hf, mean_acceptance_length, draft_acceptance_rate, acceptance_rate_per_position,
-acceptance_histogram, num_drafts, k_histogram (steps per k drafted: `auto` chooses), step_ms (timed
-runs), step_ratio (step_ms over ar's), split_ms (eager twin: target / verify / draft / prefill / host /
+JSON fields per measurement: config, batch_size, tokens_per_second (median), samples (one per round),
+speedup_vs_ar and speedup_vs_hf (median of the rounds' paired ratios), mean_acceptance_length,
+draft_acceptance_rate, acceptance_rate_per_position, acceptance_histogram, num_drafts, k_histogram
+(steps per k drafted: `auto` chooses), step_ms (timed runs, prefill left out), step_ratio (over ar's,
+paired by round), split_ms (eager twin: target / verify / draft / prefill / host /
 total, ms per step), warmup_seconds, shares_runner_of (the config whose compiled step it ran on; its
 warm-up is then what it added), compiled, peak_memory_bytes, output_tokens.
 """
@@ -76,7 +77,8 @@ def _k_shares(histogram: list[int] | None) -> str:
 def table(report: BenchReport) -> Table:
     t = Table(title=f"specgen bench: {report.num_prompts} prompts ({report.prompts}), "
                     f"{report.options.max_tokens} max new tokens, {report.device}, {report.dtype}, "
-                    f"{report.threads} threads, median of {report.options.repeats}")
+                    f"{report.threads} threads, median of {report.options.repeats} rounds "
+                    f"(speed-ups: of each round's ratio)")
     for name in ("batch", "config", "tok/s", "vs ar", "vs hf", "accept len", "accept rate",
                  "per position", "steps by k", "step ms (x ar)", "split ms (eager): target/verify/draft/host",
                  "warm-up s"):

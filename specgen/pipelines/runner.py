@@ -99,6 +99,7 @@ class RunTotals:
     prefill_calls: int = 0
     wall_seconds: float = 0.0
     compile_seconds: float = 0.0     # compilation and CUDA-graph capture, warm-up or mid-run (inside wall_seconds)
+    step_seconds: float = 0.0        # the steps' iterations with admission (prefill) left out (inside wall_seconds)
     spec: SpecCounters = field(default_factory=lambda: SpecCounters(0))
     k_steps: list[int] = field(default_factory=list)    # steps run with each k (0 = plain)
 
@@ -295,7 +296,6 @@ class Runner:
         inflight: deque[tuple[int, int, Callable[[], list[list[int]]]]] = deque()
         more = True
         while True:
-            began = time.perf_counter()
             free = [b for b in range(self.batch_size) if slots[b] is None]
             if free and more:
                 more = self._admit(free, pending, slots, lengths, finish, totals)
@@ -311,8 +311,10 @@ class Runner:
             if len(inflight) > self.lag or not live:
                 number, k_read, read = inflight.popleft()
                 self._absorb(number, k_read, read(), slots, lengths, finish)
-            if timed is not None:         # the iteration's time, admission left out: the step's cost
-                self.policy.observe_step(timed, self.width, time.perf_counter() - after_admission)
+            stepped = time.perf_counter() - after_admission     # the iteration, admission left out
+            totals.step_seconds += stepped
+            if timed is not None:         # the step's cost
+                self.policy.observe_step(timed, self.width, stepped)
             if not more and not inflight:
                 self._narrow(slots, lengths)
 
