@@ -290,6 +290,21 @@ def test_per_position_prior_from_acceptance_lengths():
     # a1 = 0.5, a2 = 0.4, a3 = 0.25: L1 = 1.5, L2 = 1.7, L3 = 1.75
     assert per_position_prior({1: 1.5, 2: 1.7, 3: 1.75}) == pytest.approx([0.5, 0.4, 0.25])
     assert per_position_prior({}) == []
+    # A card measured at K = 3, 5, 7 only (the shipped DFlash one): every gap gets a common rate
+    # that reproduces the card's lengths; it once gave no prior and the job assumed 0.5 per position.
+    prior = per_position_prior({3: 1.1534, 5: 1.1553, 7: 1.1553})
+    assert len(prior) == 7 and prior[0] == prior[1] == prior[2] == pytest.approx(0.1342, abs=1e-3)
+
+    def length(rates, k):
+        total, run = 1.0, 1.0
+        for r in rates[:k]:
+            run *= r
+            total += run
+        return total
+
+    for k, expected in ((3, 1.1534), (5, 1.1553), (7, 1.1553)):
+        assert length(prior, k) == pytest.approx(expected, abs=1e-6)
+    assert per_position_prior({2: 3.0}) == pytest.approx([0.99, 0.99])   # past what rates can give
 
 
 # ------------------------------------------------------------------- the runner with a scripted k

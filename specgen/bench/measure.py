@@ -9,13 +9,14 @@ Per batch size, every configuration first runs once untimed (warm-up: compilatio
 time is reported as what a user's first job pays), then the timed runs are INTERLEAVED (config A,
 B, C, C, B, A, ...: `round_order`) `repeats` times, so drift of the machine's speed hits all alike;
 throughputs are medians, speed-ups the median of each round's ratio (`paired_ratio`). Acceptance
-statistics (vLLM's definitions) add up over the timed runs. The time split of a
-step comes from one more run of an eager twin of each configuration with a `PhaseTimer`
-(pipelines/phases.py): compiled steps cannot be split without breaking their graph.
-`step_ms` is a configuration's wall time per step in its timed runs, admission (the prefill) left out,
-and `step_ratio` that over `ar`'s (paired by round, as speed-ups): what a step of it costs against a
-plain one, the acceptance length it needs to break even. (With the prefill in, a configuration that takes fewer steps for the same
-tokens spreads the same prefill over fewer steps, and its steps looked dearer than they are.) `k_histogram` how often `auto` chose each k.
+statistics (vLLM's definitions) add up over the timed runs. The time split of a step comes from one
+more run of an eager twin of each configuration with a `PhaseTimer` (pipelines/phases.py): compiled
+steps cannot be split without breaking their graph.
+`step_ms` is a configuration's wall time per step in its timed runs, admission (the prefill) left
+out, and `step_ratio` that over `ar`'s (paired by round, as speed-ups): what a step of it costs
+against a plain one, the acceptance length it needs to break even. With the prefill in, a
+configuration that takes fewer steps for the same tokens spread the same prefill over fewer steps,
+and its steps looked dearer than they are. `k_histogram`: how often `auto` chose each k.
 Every output token is counted the same way for all configurations: greedy decoding to EOS or
 `max_tokens`, so all of them produce the same tokens (the lossless guarantee) and tokens/s compare.
 The one exception is a recipe with `sampling.relaxed_acceptance`: it is lossy inside reasoning spans,

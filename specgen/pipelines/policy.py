@@ -440,16 +440,34 @@ class AdaptivePolicy:
 
 
 def per_position_prior(acceptance_lengths: dict[int, float]) -> list[float]:
-    """A card's mean acceptance length at each K -> the acceptance of position j given 1..j-1.
+    """A card's mean acceptance length at some K -> the acceptance of position j given 1..j-1.
 
-    With L(K) = 1 + sum_{i<=K} prod_{j<=i} a_j, prod_{j<=i} a_j = L(i) - L(i-1), so
-    a_i = (L(i) - L(i-1)) / (L(i-1) - L(i-2)) with L(0) = 1 and L(-1) = 0."""
-    out, previous_run = [], 1.0
-    lengths = {0: 1.0, **acceptance_lengths}
-    for k in range(1, max(acceptance_lengths, default=0) + 1):
-        if k not in lengths or k - 1 not in lengths:
-            break
-        run = max(lengths[k] - lengths[k - 1], 0.0)
-        out.append(min(run / previous_run, 0.99) if previous_run > 1e-9 else 0.0)
-        previous_run = run
+    With L(K) = 1 + sum_{i<=K} prod_{j<=i} a_j: between two measured K (and from L(0) = 1 to the
+    first), L grows by run * (r + r^2 + ... + r^n) where run is prod a_j up to the lower K, n the
+    positions between and r their common rate; each such gap is solved for r. For consecutive K
+    that is a_i = (L(i) - L(i-1)) / (L(i-1) - L(i-2)). A card measured only at K = 3, 5, 7 (the
+    DFlash one) once gave no prior at all, and the job started from a neutral 0.5 per position
+    where its draft accepted 9%. Positions past the last measured K get none (the caller fills)."""
+    out, run, done = [], 1.0, 0
+    lengths = {0: 1.0, **{k: v for k, v in acceptance_lengths.items() if k >= 1}}
+    for k in sorted(lengths)[1:]:
+        n, gain = k - done, max(lengths[k] - lengths[done], 0.0)
+        rate = _common_rate(gain / run, n) if run > 1e-9 else 0.0
+        out.extend([rate] * n)
+        run *= rate ** n
+        done = k
     return out
+
+
+def _common_rate(target: float, n: int) -> float:
+    """r in [0, 0.99] with r + r^2 + ... + r^n = target (bisection: the sum grows with r)."""
+    low, high = 0.0, 0.99
+    if sum(high ** i for i in range(1, n + 1)) <= target:
+        return high
+    for _ in range(60):
+        mid = (low + high) / 2
+        if sum(mid ** i for i in range(1, n + 1)) < target:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2

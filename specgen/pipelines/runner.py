@@ -99,7 +99,7 @@ class RunTotals:
     prefill_calls: int = 0
     wall_seconds: float = 0.0
     compile_seconds: float = 0.0     # compilation and CUDA-graph capture, warm-up or mid-run (inside wall_seconds)
-    step_seconds: float = 0.0        # the steps' iterations with admission (prefill) left out (inside wall_seconds)
+    step_seconds: float = 0.0        # the steps' iterations, admission (prefill) left out (inside wall_seconds)
     spec: SpecCounters = field(default_factory=lambda: SpecCounters(0))
     k_steps: list[int] = field(default_factory=list)    # steps run with each k (0 = plain)
 
