@@ -184,7 +184,9 @@ def bench(
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8",
     max_tokens: Annotated[int, typer.Option(min=1, help="Max new tokens per prompt (greedy, to EOS).")] = 128,
     baselines: Annotated[str, typer.Option(help="Comma-separated: ar (no draft), hf (transformers generate).")] = "ar,hf",
-    repeats: Annotated[int, typer.Option(min=1, help="Timed runs per configuration (median).")] = 2,
+    repeats: Annotated[int, typer.Option(min=1, help=(
+        "Rounds of timed runs: each runs every configuration once, in the order opposite to the round "
+        "before (an even number cancels drift best)."))] = 2,
     ks: Annotated[str, typer.Option(help="Comma-separated K settings to run each recipe with beside its own, "
                                          "e.g. 1,2,3,auto (auto: chosen per step).")] = "",
     output: Annotated[Path | None, typer.Option(help="JSON report (default: outputs/bench-<recipe>.json).")] = None,

@@ -73,7 +73,7 @@ class Measurement:
     spec: dict | None = None              # SpecCounters.to_dict() over the timed runs
     split_ms: dict[str, float] | None = None   # eager step: ms per step by phase
     step_ms: float | None = None          # timed runs: wall ms per step, admission (prefill) left out
-    step_ratio: float | None = None       # step_ms over ar's
+    step_ratio: float | None = None       # per-step ms over ar's, paired by round (paired_ratio)
     peak_memory_bytes: int | None = None
     shares_runner_of: str | None = None   # ran on that config's compiled step: its warm-up is what it added
     speedup_vs_ar: float | None = None
