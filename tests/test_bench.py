@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import yaml
@@ -61,10 +62,9 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
     ar = next(r for r in rows if r["config"] == "ar" and r["batch_size"] == 1)
     assert ar["speedup_vs_ar"] == 1.0 and ar["mean_acceptance_length"] is None
     # speed-ups pair the runs of one round (bench/measure.py: paired_ratio)
-    import statistics
-    assert spec["speedup_vs_ar"] == pytest.approx(statistics.median(
-        s / a for s, a in zip(spec["samples"], next(r for r in rows if r["config"] == "ar"
-                                                     and r["batch_size"] == spec["batch_size"])["samples"])))
+    ar_beside = next(r for r in rows if r["config"] == "ar" and r["batch_size"] == spec["batch_size"])
+    paired = [s / a for s, a in zip(spec["samples"], ar_beside["samples"])]
+    assert spec["speedup_vs_ar"] == pytest.approx(statistics.median(paired))
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -124,7 +124,6 @@ def test_hf_in_bench_runs_as_fast_as_hf_alone(tmp_path, monkeypatch):
             break
     else:
         raise AssertionError(f"hf in bench vs alone differ by more than 15% in 3 attempts: {attempts}")
-
 
 
 def test_rounds_alternate_their_order_and_speedups_pair_runs_of_one_round():
