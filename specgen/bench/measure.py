@@ -256,7 +256,6 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
     counters: dict[str, SpecCounters | None] = {name: None for name, _, _ in configs}
     steps: dict[str, list[tuple[int, float]]] = {name: [] for name, _, _ in configs}   # (steps, s) per round
     lead_of = plan_shared_runners(configs)
-    by_name = {name: (recipe, checkpoints) for name, recipe, checkpoints in configs}
     # leads first: a shared runner is built (with its own policy) before the configs that borrow it
     order = sorted(configs, key=lambda c: lead_of[c[0]] != c[0])
     try:
@@ -318,12 +317,12 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             m.split_ms = _time_split(recipe, checkpoints, batch, options, prompts, target, tokenizer,
                                      build_runner)
     ar, hf = measurements.get("ar"), measurements.get("hf")
+    per_step = {name: [s / max(1, n) for n, s in rounds] for name, rounds in steps.items()}   # s a step, by round
     for m in measurements.values():
         if ar is not None:
             m.speedup_vs_ar = paired_ratio(m.samples, ar.samples)
-            if steps[m.config] and steps["ar"]:
-                per_step = [s / max(1, n) for n, s in steps[m.config]]
-                m.step_ratio = paired_ratio(per_step, [s / max(1, n) for n, s in steps["ar"]])
+            if per_step[m.config] and per_step["ar"]:
+                m.step_ratio = paired_ratio(per_step[m.config], per_step["ar"])
         if hf is not None:
             m.speedup_vs_hf = paired_ratio(m.samples, hf.samples)
     return list(measurements.values())
