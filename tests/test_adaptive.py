@@ -405,6 +405,42 @@ def test_the_draft_catches_up_on_the_positions_plain_steps_skipped(checkpoints, 
         torch.testing.assert_close(a[0, :, :covered], b[0, :, :covered], atol=1e-5, rtol=1e-4)
 
 
+class RecordingPolicy(ScriptedPolicy):
+    """A scripted k that records the steps the runner times as their variant's cost."""
+
+    def __init__(self, schedule: list[int]) -> None:
+        super().__init__(schedule)
+        self.timed: list[int] = []
+
+    def observe_step(self, k: int, width: int, seconds: float) -> None:
+        self.timed.append(k)
+
+
+def test_a_draft_step_after_plain_steps_is_a_catch_up_not_the_variants_cost(checkpoints):
+    """However short the plain run before it (one step here), the first draft step absorbs the
+    positions it skipped: it is not timed as k's cost; the next step of k is."""
+    runner = scripted_runner(checkpoints, "eagle3", [0, 1, 1], batch=1)
+    runner.policy = policy = RecordingPolicy([0, 1, 1])
+    _, totals = run(runner, prompts(lengths=(9,)), max_tokens=40)
+    assert totals.k_steps[0] > 3 and totals.k_steps[1] > 6
+    # per cycle: the plain step and the second k = 1 step (the first k = 1 step catches up)
+    assert policy.timed.count(1) <= totals.k_steps[1] // 2 + 1
+    assert policy.timed.count(0) >= totals.k_steps[0] - 1 and policy.timed.count(1) >= totals.k_steps[1] // 2 - 1
+
+
+def test_plain_steps_of_a_drafting_runner_read_the_keys_a_plain_job_reads(checkpoints):
+    """A step's key bound follows its own k: auto's plain steps attend over no more keys than a job
+    without a draft, and a step of k over the bound a fixed K = k reads."""
+    auto = scripted_runner(checkpoints, "eagle3", [0, 4])
+    plain = build_runner(recipe(checkpoints, "none"), resolve(recipe(checkpoints, "none")), 7)[0]
+    fixed = scripted_runner(checkpoints, "eagle3", [2])
+    for longest in (0, 5, 50, 61, 100):
+        assert auto.kv_bucket(longest, 0) == plain.kv_bucket(longest)
+        assert auto.kv_bucket(longest, 2) == fixed.kv_bucket(longest)
+        assert auto.kv_bucket(longest, 4) == auto.kv_bucket(longest) >= auto.kv_bucket(longest, 0)
+    assert auto.kv_bucket(60, 4) > auto.kv_bucket(60, 0)     # where it matters: the bound crosses a granule
+
+
 # ---------------------------------------------------------------------------- auto, end to end
 
 

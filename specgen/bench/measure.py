@@ -76,6 +76,7 @@ class Measurement:
     step_ratio: float | None = None       # per-step ms over ar's, paired by round (paired_ratio)
     peak_memory_bytes: int | None = None
     shares_runner_of: str | None = None   # ran on that config's compiled step: its warm-up is what it added
+    policy: dict | None = None            # auto: the policy's estimates after the last round (its summary)
     speedup_vs_ar: float | None = None
     speedup_vs_hf: float | None = None
 
@@ -310,6 +311,8 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
         m = measurements[name]
         if counters[name] is not None:
             m.spec = counters[name].to_dict()
+        if name in policies and not isinstance(policies[name], FixedPolicy):
+            m.policy = policies[name].summary()
         if steps[name]:
             m.step_ms = 1000 * sum(s for _, s in steps[name]) / max(1, sum(n for n, _ in steps[name]))
         if recipe is not None and options.split:

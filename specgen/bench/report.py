@@ -38,6 +38,7 @@ def measurement_dict(m: Measurement) -> dict:
         "acceptance_histogram": spec.get("acceptance_histogram"), "num_drafts": spec.get("num_drafts"),
         "k_histogram": spec.get("k_histogram"), "step_ms": m.step_ms, "step_ratio": m.step_ratio,
         "split_ms": m.split_ms, "warmup_seconds": m.warmup_seconds, "shares_runner_of": m.shares_runner_of,
+        "policy": m.policy,
         "compiled": m.compiled, "peak_memory_bytes": m.peak_memory_bytes, "output_tokens": m.output_tokens,
     }
 

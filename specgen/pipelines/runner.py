@@ -175,20 +175,26 @@ class Runner:
         self.width = batch_size       # slots the step runs over (fewer in a run's tail, see _narrow)
         # positions each slot's draft has not absorbed yet (a bound: the draft's catch-up window)
         self.gaps = [0] * batch_size
+        self.last_k = 0               # k of the last step issued
         self.totals = RunTotals(spec=SpecCounters(step.k))  # live: readable after an interrupt
 
     @property
     def compiled(self) -> bool:
         return self._compiled
 
-    def kv_bucket(self, longest: int) -> int:
-        """Keys the reference attention reads: enough for every slot (a multiple of 64 on CPU, a power
-        of two on CUDA), at most the allocation less one (no query that matters sits at the last
-        scratch entry, and a bound below the cache length keeps the compiled step's bound dynamic).
-        The kernel path reads per-row lengths and takes the whole allocation."""
+    def kv_bucket(self, longest: int, k: int | None = None) -> int:
+        """Keys the reference attention reads in a step of k drafts (default the step's K): enough for
+        every slot (a multiple of 64 on CPU, a power of two on CUDA), at most the allocation less one
+        (no query that matters sits at the last scratch entry, and a bound below the cache length
+        keeps the compiled step's bound dynamic). The kernel path reads per-row lengths and takes the
+        whole allocation."""
         if self.unified.use_kernel:
             return self.alloc_len
-        need = longest + (self.lag + 1) * (self.unified.k + 1) + self.unified.scratch_len()
+        # Steps still in flight may each have committed up to K + 1 tokens the host has not seen. A
+        # step's own rows and scratch follow its k, not K: bounded by K, auto's plain steps read
+        # up to 2K + 1 keys per row more than a plain job's (K = 7 for DFlash: a third of a granule).
+        k = self.unified.k if k is None else k
+        need = longest + self.lag * (self.unified.k + 1) + (k + 1) + self.unified.scratch_len(k)
         if self.device.type == "cpu":
             # every key read costs on CPU, and the compiled step takes the bound as a dynamic size
             bucket = -(-need // CPU_KV_GRANULE) * CPU_KV_GRANULE
@@ -329,7 +335,7 @@ class Runner:
         # its compiled graph computes them exactly as the plain step does
         probe_ks = {k for k in range(1, self.unified.k + 1) if functions.verify_ready(k + 1)}
         k = self.policy.choose(views, ready, self.width, probe_ks)
-        kv_len = self.kv_bucket(max(lengths[b] for b in live))
+        kv_len = self.kv_bucket(max(lengths[b] for b in live), k)
         steady = True
         compiled_before = functions.compiled_seconds()
         if k > 0:
@@ -340,8 +346,10 @@ class Runner:
             functions.draft(kv_len, window, k, eager=probe)
             # a draft catching up on plain steps' positions (after a run of k = 0) costs more than
             # drafting does in a run of k (measured: 10.5 ms for 53 positions against 1.9 for 2, EAGLE-3
-            # on SmolLM2, fp32): a one-off, not the variant's cost
-            catch_up = window > self.unified.k + 1
+            # on SmolLM2, fp32): a one-off, not the variant's cost, however short the run. Timed, the
+            # first step after a few plain ones was k's only sample (the policy samples a variant
+            # where it follows another), and k's cost read high whenever a job switched often.
+            catch_up = window > self.last_k + 1
             steady = not (probe or catch_up)
             for b in range(self.batch_size):
                 self.gaps[b] = 0
@@ -351,6 +359,7 @@ class Runner:
         steady = steady and compiled == 0
         for b in live:
             self.gaps[b] += k + 1
+        self.last_k = k
         inflight.append((self.step_no, k, self.reader.start(out)))
         self.step_no += 1
         totals.steps += 1

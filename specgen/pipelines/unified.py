@@ -160,9 +160,10 @@ class UnifiedStep:
                  if self.draft is not None else None)
         return StepCaches(self.target.new_cache(slots, max_len, dtype, device), draft)
 
-    def scratch_len(self) -> int:
-        """Cache entries past the last committed token a step may write (target K+1, draft chain)."""
-        return 2 * self.k + 2
+    def scratch_len(self, k: int | None = None) -> int:
+        """Cache entries past the last committed token a step of k drafts (default K) may write
+        (target k+1, draft chain)."""
+        return 2 * (self.k if k is None else k) + 2
 
     def attention(self, positions: torch.Tensor, rows: torch.Tensor | None,
                   key_index: torch.Tensor) -> AttentionBatch:
