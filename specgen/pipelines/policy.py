@@ -276,13 +276,6 @@ class AdaptivePolicy:
             out.append(rate)
         return out
 
-    def expected_tokens(self, rates: Sequence[float], k: int) -> float:
-        total, run = 1.0, 1.0
-        for j in range(k):
-            run *= rates[j]
-            total += run
-        return total
-
     def cost(self, k: int, width: int) -> float | None:
         """Seconds a step of k drafts over `width` slots takes at the machine's current pace."""
         exact = self._costs.get((width, k))

@@ -191,8 +191,8 @@ class Runner:
         if self.unified.use_kernel:
             return self.alloc_len
         # Steps still in flight may each have committed up to K + 1 tokens the host has not seen. A
-        # step's own rows and scratch follow its k, not K: bounded by K, auto's plain steps read
-        # up to 2K + 1 keys per row more than a plain job's (K = 7 for DFlash: a third of a granule).
+        # step's own rows and scratch follow its k, not K: bounded by K, auto's plain steps read 3K
+        # keys per row more than a plain job's (21 for DFlash's K = 7: a third of a granule).
         k = self.unified.k if k is None else k
         need = longest + self.lag * (self.unified.k + 1) + (k + 1) + self.unified.scratch_len(k)
         if self.device.type == "cpu":
@@ -346,9 +346,8 @@ class Runner:
             functions.draft(kv_len, window, k, eager=probe)
             # a draft catching up on plain steps' positions (after a run of k = 0) costs more than
             # drafting does in a run of k (measured: 10.5 ms for 53 positions against 1.9 for 2, EAGLE-3
-            # on SmolLM2, fp32): a one-off, not the variant's cost, however short the run. Timed, the
-            # first step after a few plain ones was k's only sample (the policy samples a variant
-            # where it follows another), and k's cost read high whenever a job switched often.
+            # on SmolLM2, fp32): a one-off, not the variant's cost, however short the run (the policy
+            # samples a variant's cost where its step follows another's: those were catch-ups).
             catch_up = window > self.last_k + 1
             steady = not (probe or catch_up)
             for b in range(self.batch_size):
