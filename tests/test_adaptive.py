@@ -432,7 +432,8 @@ def test_plain_steps_of_a_drafting_runner_read_the_keys_a_plain_job_reads(checkp
     """A step's key bound follows its own k: auto's plain steps attend over no more keys than a job
     without a draft, and a step of k over the bound a fixed K = k reads."""
     auto = scripted_runner(checkpoints, "eagle3", [0, 4])
-    plain = build_runner(recipe(checkpoints, "none"), resolve(recipe(checkpoints, "none")), 7)[0]
+    plain_recipe = recipe(checkpoints, "none")
+    plain = build_runner(plain_recipe, resolve(plain_recipe), 7)[0]
     fixed = scripted_runner(checkpoints, "eagle3", [2])
     for longest in (0, 5, 50, 61, 100):
         assert auto.kv_bucket(longest, 0) == plain.kv_bucket(longest)
