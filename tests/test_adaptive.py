@@ -237,22 +237,102 @@ def test_probes_out_of_plain_steps_keep_the_variants_cost_measured():
     assert choices[:7].count(1) == 0 and choices[-100:].count(1) >= 95
 
 
-def test_no_probes_out_of_plain_steps_for_a_k_that_cannot_win():
+def draft_runs(choices: list[int]) -> list[tuple[int, int]]:
+    """(first step, length) of every run of steps that drafted."""
+    runs, start = [], None
+    for i, k in enumerate([*choices, 0]):
+        if k and start is None:
+            start = i
+        elif not k and start is not None:
+            runs.append((start, i - start))
+            start = None
+    return runs
+
+
+def test_a_long_job_compiles_a_variant_whose_floor_wins_then_judges_it_on_its_steps():
+    # Uncompiled, k = 1 and 2 are estimated from eager times (70 and 90 ms against 40 for plain
+    # steps); their floors (the plain step's verify plus their drafts) are 42 and 44 ms. SmolLM2 at
+    # one slot: MTP's k = 1 estimated at 37.5 ms ran at 25.4 once compiled, plain steps 20.6.
+    def fresh(horizon: int) -> AdaptivePolicy:
+        policy = AdaptivePolicy(2, [0.5, 0.5], compile_estimate={1: 100.0, 2: 120.0}, horizon_tokens=horizon)
+        policy.set_cost(0, WIDTH, 0.040)
+        policy.set_cost(1, WIDTH, 0.070, estimated=True, floor=0.042)
+        policy.set_cost(2, WIDTH, 0.090, estimated=True, floor=0.044)
+        return policy
+
+    # a job that would not repay four times the compile even at the floor compiles nothing
+    short = fresh(50_000)
+    assert [short.choose(SLOTS, set(), WIDTH) for _ in range(20)] == [0] * 20
+    # a long one tries the fewest drafts first ...
+    policy = fresh(10_000_000)
+    assert policy.choose(SLOTS, set(), WIDTH) == 1 and policy.reason == "compile"
+    # ... whose steps, once compiled, take 64 ms (1.6x a plain step: 16 slots on 2 cores): it is
+    # judged on them, and the time of k = 1 bounds k = 2's floor, so nothing more is compiled
+    choices, previous = [], 0
+    for _ in range(300):
+        k = policy.choose(SLOTS, {1}, WIDTH)
+        assert policy.reason != "compile"
+        choices.append(k)
+        if not (k > 0 and previous == 0):
+            policy.observe_step(k, WIDTH, {0: 0.040, 1: 0.064}[k])
+        for b in range(WIDTH):
+            policy.observe_block(b, k, k and int(b == 0))        # position 1: 25%
+        previous = k
+    assert choices[:4] == [1, 1, 1, 1] and choices[4:120].count(1) == 0
+
+
+def test_a_k_that_cannot_win_is_only_rechecked_ever_more_rarely():
     # a step of 1 draft costs 2x a plain one (8 slots on 2 CPU cores): with position 1 accepting
-    # about 30%, not even an optimistic acceptance pays for it, so plain steps are never left
+    # about 30%, not even an optimistic acceptance pays for it, so no probe leaves plain steps. Only
+    # rechecks do (a catch-up and three timed steps), the first after 4x max_interval plain steps,
+    # each interval twice the last, up to 32x max_interval: under 1% of the job's steps.
     policy = policy_with({0: 0.040, 1: 0.080}, k_max=1, prior=0.3)
-    assert drive(policy, lambda k: 0, 300, available={1}).count(1) == 0
+    choices = run_timed(policy, {0: 0.040, 1: 0.080}, lambda step, b: 0, 3000)
+    runs = draft_runs(choices)
+    assert all(length == 4 for _, length in runs)
+    starts = [start for start, _ in runs]
+    assert starts[0] >= 4 * policy.max_interval - 1
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert all(later >= min(2 * earlier, 32 * policy.max_interval) - 8 for earlier, later in zip(gaps, gaps[1:]))
+    assert choices.count(1) <= 0.01 * len(choices)
+
+
+def test_a_k_ruled_out_in_a_slow_spell_is_rechecked_and_wins():
+    # MTP on held-out ShareGPT at one slot: k = 1's first three timed steps ran in a slow spell (80 ms
+    # against 40 for plain steps); really it takes 42 and position 1 accepts half the time. Ruled
+    # out, it never ran again for the rest of that job. A recheck times it afresh and it wins.
+    policy = AdaptivePolicy(1, [0.5])
+    policy.set_cost(0, WIDTH, 0.040)
+    policy.set_cost(1, WIDTH, 0.060, estimated=True)
+    slow = iter([0.080] * 3)
+    choices, previous = [], 0
+    for step in range(1000):
+        k = policy.choose(SLOTS, {1}, WIDTH)
+        choices.append(k)
+        if not (k > 0 and previous == 0):
+            policy.observe_step(k, WIDTH, next(slow, 0.042) if k else 0.040)
+        for b in range(WIDTH):
+            policy.observe_block(b, k, k and b % 2)
+        previous = k
+    first_run, recheck = draft_runs(choices)[:2]
+    assert first_run == (0, 4)                        # judged on its three slow timed steps: out
+    assert choices[4:100].count(1) == 0
+    assert recheck[0] >= 4 * policy.max_interval - 1
+    assert choices[-300:].count(1) >= 295
 
 
 def test_probes_stop_once_a_losing_variant_is_timed():
     # 16 slots on 2 CPU cores: a k = 1 step costs 1.6x a plain one and position 1 accepts 30%
     # (1.3 tokens for 1.6x the time). Probes may time k = 1 (its cost is in doubt until three of its
-    # steps are timed); after that no step leaves plain decoding for it.
+    # steps are timed); after that only rechecks leave plain decoding for it, ever more rarely.
     policy = policy_with({0: 0.040, 1: 0.064}, k_max=1, prior=0.3)
     accepts = itertools.cycle([1, 0, 0, 1, 0, 0, 0, 1, 0, 0])           # 30%, whatever the step
     choices = run_timed(policy, {0: 0.040, 1: 0.064}, lambda step, b: next(accepts), 1000)
-    assert choices[-800:].count(1) == 0
-    assert 0 < choices.count(1) <= 8
+    probes = [run for run in draft_runs(choices) if run[1] == 2]       # a catch-up, a timed step
+    rechecks = [run for run in draft_runs(choices) if run[1] != 2]
+    assert 0 < len(probes) <= 4 and all(start < 100 for start, _ in probes)
+    assert all(length == 4 for _, length in rechecks) and len(rechecks) <= 3
+    assert choices[-800:].count(1) <= 12
 
 
 def test_one_step_at_four_times_its_cost_moves_no_choice():

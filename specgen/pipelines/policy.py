@@ -35,7 +35,12 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
 - Variants that do not exist yet (the draft of k tokens or the verify of k + 1 rows not compiled)
   cost their compile time: the policy compiles k only when the time it is expected to save over the
   rest of the job (`horizon_tokens`) is at least twice that cost, so a short job never compiles what
-  it cannot repay (the warm-up asks the same question of the card's figures).
+  it cannot repay (the warm-up asks the same question of the card's figures). The cost of an
+  uncompiled verify is an estimate from eager times, which grow with rows far faster than compiled
+  ones (MTP's k = 1 on SmolLM2: 37.5 ms estimated, 25.4 compiled, plain steps 20.6), so a job long
+  enough to save four times the compile at the variant's floor (the plain step's verify plus its
+  draft) compiles the fewest drafts that could win, as a trial: timed before it is used, and its
+  time bounds the floors of larger k.
 - While k = 0 wins, nothing measures acceptance: every `probe_interval` plain steps one step drafts
   (the best k > 0 that runs without compiling, or an eager draft beside a compiled verify), which
   also lets the draft catch up on the positions it skipped; a compiled probe drafts the same k once
@@ -55,6 +60,9 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   position to rule it out, no step pays for drafting it (an uncompiled probe drafts eagerly, at
   twice a step's cost). Each probe that leaves the choice where it was doubles the interval (up to
   `max_interval`); a change of choice resets it.
+- A compiled k that no probe may try any more (judged on a few steps timed in a slow spell) is
+  re-timed afresh after 4x `max_interval` plain steps, then after twice as many each time (up to
+  32x): a few steps in all where it keeps losing, and no job stays locked out of a draft that pays.
 Nothing here touches a tensor: the policy is host-side arithmetic on a few floats per slot.
 """
 
@@ -74,6 +82,7 @@ COST_WINDOW = 15           # a variant's cost: the median of its last 15 steps
 PROFILE_WEIGHT = 2         # ... where the warm-up's profile counts as 2 of them
 MIN_GAIN = 0.03            # a variant must beat the current best by this much to be compiled
 COMPILE_PAYBACK = 2.0      # ... and save this many times its compile time over the horizon
+TRIAL_PAYBACK = 4.0        # or save this many times it at its cost's floor (a trial: see worth_compiling)
 FIRST_PROBE_INTERVAL = 8
 DOWN_PROBE_CLOSE = 0.85    # a cheaper variant within 15% of the best is probed every other probe,
 DOWN_PROBE_EVERY = 4       # ... others every 4th
@@ -84,6 +93,8 @@ COST_DOUBT = 0.8           # a probe out of plain steps is made while k would wi
 FIRST_TIMINGS = 3          # an estimated variant, once compiled, is judged on its first 3 timed steps
 UCB_SIGMAS = 2.0           # a probe up assumes the next position accepts this many standard errors better
 SWITCH_MARGIN = 0.02       # the settled k stays while it is within 2% of the best
+RECHECK_INTERVALS = 4      # a compiled k ruled out re-timed after 4x max_interval plain steps,
+RECHECK_MAX = 32           # ... doubling each time up to 32x
 
 
 @dataclass(slots=True)
@@ -188,7 +199,10 @@ class AdaptivePolicy:
     pace: float = field(init=False, default=1.0)         # today's step time / the stored (profiled) scale
     _last_timed: tuple[int, int] | None = field(init=False, default=None)   # (width, k) of the last steady step
     _estimated: dict[tuple[int, int], int] = field(init=False, default_factory=dict)  # (width, k): steps timed
+    _floors: dict[tuple[int, int], float] = field(init=False, default_factory=dict)  # (width, k): least cost
     _second_step: int | None = field(init=False, default=None)   # a probe from plain steps, run twice
+    _ruled_out: int = field(init=False, default=0)      # plain steps since a probe found no k that could win
+    recheck_after: int = field(init=False, default=0)    # ... after which a compiled k is re-timed
     _probed_from: int | None = field(init=False, default=None)  # the choice at the last probe
     last_choice: int = field(init=False, default=0)
     settled: int = field(init=False, default=0)          # the last choice made on the estimates (no probe)
@@ -201,6 +215,7 @@ class AdaptivePolicy:
             self.prior = [*self.prior, *([last] * (self.k_max - len(self.prior)))]
         self.prior = [min(max(p, 0.0), 0.99) for p in self.prior[: self.k_max]]
         self._job = _Acceptance.empty(self.k_max)
+        self.recheck_after = RECHECK_INTERVALS * self.max_interval
 
     # -- what the runner reports -------------------------------------------------------------------
 
@@ -233,6 +248,7 @@ class AdaptivePolicy:
             timed = self._estimated[key]
             if timed == 0:
                 self._costs[key] = _Cost(seconds / self.pace, profiled=False)
+                self._floors.pop(key, None)
             else:
                 cost.add(seconds / self.pace)
             if timed + 1 >= FIRST_TIMINGS:
@@ -253,15 +269,22 @@ class AdaptivePolicy:
             self.pace += PACE_RATE * (ratio - self.pace)
         self._last_timed = key
 
-    def set_cost(self, k: int, width: int, seconds: float, estimated: bool = False) -> None:
+    def set_cost(self, k: int, width: int, seconds: float, estimated: bool = False,
+                 floor: float | None = None) -> None:
         """A profiled (warm-up) or `estimated` cost (from an uncompiled variant's eager time), before
         any step of that variant ran (at today's pace). An estimated variant that can run without
-        compiling is tried by the next steps until one is timed (`choose`)."""
+        compiling is tried by the next steps until one is timed (`choose`). `floor`: the least the
+        variant can cost (an uncompiled verify of k + 1 rows costs at least the plain step's one),
+        which decides a trial compile (`worth_compiling`)."""
         self._costs[(width, k)] = _Cost(seconds / self.pace, profiled=True)
         if estimated:
             self._estimated[(width, k)] = 0
         else:
             self._estimated.pop((width, k), None)
+        if floor is not None and estimated:
+            self._floors[(width, k)] = min(floor, seconds) / self.pace
+        else:
+            self._floors.pop((width, k), None)
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -305,10 +328,19 @@ class AdaptivePolicy:
         job[position] = min(0.99, rate + UCB_SIGMAS * (rate * (1 - rate) / seen) ** 0.5)
         return job
 
-    def rates(self, slots: Sequence[SlotView], width: int, job: list[float] | None = None) -> dict[int, float]:
-        """Expected committed tokens per second for every k with a cost (`job`: other job rates)."""
+    def rates(self, slots: Sequence[SlotView], width: int, job: list[float] | None = None,
+              floors: bool = False) -> dict[int, float]:
+        """Expected committed tokens per second for every k with a cost (`job`: other job rates;
+        `floors`: an uncompiled variant at the least it can cost, not at its estimate)."""
         job = job if job is not None else self.job_rates()
         costs = {k: self.cost(k, width) for k in range(self.k_max + 1)}
+        if floors:
+            # a variant costs at least what a timed one of fewer drafts does (more rows, more drafts):
+            # once a trial timed k = 1 at 1.6x a plain step, no larger k is tried on its floor
+            timed = [(k, c) for k, c in costs.items() if (width, k) not in self._estimated]
+            for (w, k), f in self._floors.items():
+                if w == width:
+                    costs[k] = max([f * self.pace, *(c for kk, c in timed if kk < k)])
         costs = {k: c for k, c in costs.items() if c is not None and c > 0}
         tokens = dict.fromkeys(costs, 0.0)
         for s in slots:         # every step, every slot: E(k) for all k in one pass (host time counts)
@@ -340,13 +372,15 @@ class AdaptivePolicy:
         # tok/s), where a fixed K = 1 ran 4% faster than auto in the same bench.
         if self.settled in ready and ready[self.settled] >= (1 - SWITCH_MARGIN) * ready[best]:
             best = self.settled
-        compile = self.worth_compiling(rates, ready)
-        choice = compile if compile is not None else best
-        self.reason = "compile" if compile is not None else "best"
         # a variant compiled since its cost was estimated (eager times are a poor guide to compiled
         # ones: a bench's auto never ran k = 1 on an estimate, where k = 1 paid most) runs until
         # FIRST_TIMINGS of its steps are timed (its first step after plain ones catches up and is not)
         untimed = [k for k in ready if k > 0 and (width, k) in self._estimated]
+        # no trial while one is still being timed: its time may rule the next one out
+        floor_rates = self.rates(slots, width, floors=True) if self._floors and not untimed else None
+        compile = self.worth_compiling(rates, ready, floor_rates)
+        choice = compile if compile is not None else best
+        self.reason = "compile" if compile is not None else "best"
         if compile is None and untimed:
             self.last_choice, self.reason = max(untimed, key=ready.get), "probe"
             return self.last_choice
@@ -369,29 +403,46 @@ class AdaptivePolicy:
                 self.probe_interval = (min(2 * self.probe_interval, self.max_interval)
                                        if self._probed_from in (None, choice) else FIRST_PROBE_INTERVAL)
                 self._probed_from = choice
-                if choice == 0:
+                if choice == 0 and (width, probe) not in self._estimated:   # (a recheck times its own)
                     self._second_step = probe
                 choice, self.reason = probe, "probe"
         if self.reason != "probe":
+            if choice > 0 and self.settled == 0:
+                self.recheck_after = RECHECK_INTERVALS * self.max_interval
             self.settled = choice
         self.last_choice = choice
         return choice
 
-    def worth_compiling(self, rates: dict[int, float], ready: dict[int, float]) -> int | None:
+    def worth_compiling(self, rates: dict[int, float], ready: dict[int, float],
+                        floor_rates: dict[int, float] | None = None) -> int | None:
         """The variant to compile now, if any: the best one that beats every `ready` variant's rate
         by MIN_GAIN and saves, over the tokens the job may still produce, COMPILE_PAYBACK times
-        its compile time (a job of unknown length: as many tokens as it produced so far)."""
+        its compile time (a job of unknown length: as many tokens as it produced so far). Else a
+        trial: the variant whose rate at its cost's floor (`floor_rates`) saves TRIAL_PAYBACK times
+        its compile time. An uncompiled verify's estimate scales its eager time, and eager time
+        grows with rows far faster than compiled time does (measured, SmolLM2 at one slot: eager
+        verify 72 ms for one row a slot, 121 for two; compiled 20.6 and 21.9; MTP's k = 1 estimated
+        at 37.5 ms, 25.4 once compiled), so a long job whose draft did pay would never find out.
+        The trial's variant is timed before it is used (FIRST_TIMINGS); at worst the job loses
+        its compile, a quarter of what it could have saved."""
         if not ready:
             return None
         remaining = self.horizon_tokens - self._produced if self.horizon_tokens is not None else self._produced
         best_rate = max(ready.values())
-        for k, rate in sorted(rates.items(), key=lambda kr: -kr[1]):
-            if k in ready or rate < best_rate * (1 + MIN_GAIN):
-                continue
-            saved = remaining * (1.0 / best_rate - 1.0 / rate)
-            if saved >= COMPILE_PAYBACK * self.compile_estimate.get(k, float("inf")):
-                return k
-        return None
+
+        def saved(rate: float) -> float:
+            return remaining * (1.0 / best_rate - 1.0 / rate) if rate >= best_rate * (1 + MIN_GAIN) else 0.0
+
+        candidates = {k: rate for k, rate in rates.items() if k not in ready}
+        worth = [k for k, rate in candidates.items()
+                 if saved(rate) >= COMPILE_PAYBACK * self.compile_estimate.get(k, float("inf"))]
+        if worth:
+            return max(worth, key=lambda k: (candidates[k], -k))
+        # the fewest drafts: its floor is the surest (two rows a slot against one), and its time
+        # bounds every larger k's floor
+        trials = [k for k, rate in (floor_rates or {}).items() if k in candidates
+                  and saved(rate) >= TRIAL_PAYBACK * self.compile_estimate.get(k, float("inf"))]
+        return min(trials) if trials else None
 
     def _probe(self, choice: int, rates: dict[int, float], probe_ks: set[int], available: set[int],
                slots: Sequence[SlotView], width: int) -> int | None:
@@ -401,9 +452,10 @@ class AdaptivePolicy:
             # a compiled draft if there is one: an eager probe costs about a step more
             ks = [k for k in available if k > 0] or [k for k in probe_ks if k > 0]
             ks = [k for k in ks if self._could_beat_plain(k, slots, width)]
-            if not ks:
-                return None
-            return max(ks, key=lambda k: rates.get(k, 0.0))
+            if ks:
+                self._ruled_out = 0
+                return max(ks, key=lambda k: rates.get(k, 0.0))
+            return self._recheck(rates, available, width)
         up, down = choice + 1, choice - 1
         can_up = up <= self.k_max and up in probe_ks and self._may_win(up, choice, slots, width)
         can_down = down == 0 or down in probe_ks
@@ -415,6 +467,26 @@ class AdaptivePolicy:
             self._since_down = 0
             return down
         return up if can_up else None
+
+    def _recheck(self, rates: dict[int, float], available: set[int], width: int) -> int | None:
+        """Every `recheck_after` plain steps with every k ruled out, the best compiled k is timed
+        afresh: its cost is estimated again, so its next FIRST_TIMINGS timed steps replace it. A
+        median of a few steps timed in one bad spell otherwise ruled k out for the rest of the job
+        (MTP on held-out ShareGPT at one slot: k = 1 judged at 29 ms against 17 for a plain step, where
+        the same bench's fixed K = 1 ran its steps at 1.06x plain ones, and auto ran plain throughout).
+        The interval doubles with every recheck (up to RECHECK_MAX times max_interval), so a k that
+        keeps losing costs the job a few steps in total; a k that wins resets it. The catch-up of a
+        recheck may reach past the draft's window (the oldest skipped positions stay unread by the
+        draft: its proposals may be worse for a step or two; outputs are the target's either way)."""
+        self._ruled_out += self.probe_interval
+        ks = [k for k in available if k > 0 and (width, k) in self._costs]
+        if self._ruled_out < self.recheck_after or not ks:
+            return None
+        self._ruled_out = 0
+        self.recheck_after = min(2 * self.recheck_after, RECHECK_MAX * self.max_interval)
+        k = max(ks, key=lambda k: rates.get(k, 0.0))
+        self._estimated[(width, k)] = 0
+        return k
 
     def _could_beat_plain(self, k: int, slots: Sequence[SlotView], width: int) -> bool:
         """Whether k drafts could beat plain steps with the first position at its optimistic

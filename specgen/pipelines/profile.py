@@ -8,7 +8,8 @@ advances; every write lands in scratch entries) and:
 - for the parts that would need compiling, estimates their compiled time (their eager time scaled by
   the plain step's compiled/eager ratio) and their compile time (a verify graph: what the plain
   step's took; a draft: that, scaled by how much smaller the draft's work is);
-- gives the policy `cost(k) = verify(k + 1) + draft(k)` for every k, and compiles now the variant
+- gives the policy `cost(k) = verify(k + 1) + draft(k)` for every k (and, where verify(k + 1) is
+  only estimated, its floor `verify(1) + draft(k)`), and compiles now the variant
   that the card's acceptance says the job repays (`AdaptivePolicy.worth_compiling`: the time it is
   expected to save over the job's tokens at least twice its compile time), then times it.
 Returns the seconds spent. Step times keep being refined by the policy during the run.
@@ -88,12 +89,16 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
     estimate_compiles()
     for k in range(k_max + 1):
         estimated = k + 1 in missing_verify or k in missing_draft
-        policy.set_cost(k, slots, verify[k + 1] + draft.get(k, 0.0), estimated=estimated)
+        # verifying k + 1 rows a slot costs at least what one row does (compiled, on a CPU, about as
+        # much at one slot): the floor of a variant whose verify is only estimated
+        floor = verify[1] + draft.get(k, 0.0) if k + 1 in missing_verify else None
+        policy.set_cost(k, slots, verify[k + 1] + draft.get(k, 0.0), estimated=estimated, floor=floor)
     # The card's acceptance on a full batch of long requests: the variant the first steps will use,
     # compiled now where the job repays it.
-    rates = policy.rates([SlotView(b, 1 << 30) for b in range(slots)], slots)
+    views = [SlotView(b, 1 << 30) for b in range(slots)]
+    rates = policy.rates(views, slots)
     ready = {k: r for k, r in rates.items() if k == 0 or k in functions.compiled_ks}
-    best = policy.worth_compiling(rates, ready)
+    best = policy.worth_compiling(rates, ready, policy.rates(views, slots, floors=True))
     if best is not None:
         before = functions.compiled_seconds()
         functions.draft(kv_len, best + 1, best)              # compiles them
