@@ -33,6 +33,30 @@ def test_compiled_step_equals_eager(models, sampling):  # noqa: F811
     assert counters["inductor"]["cpp_templated_kernel_counter"] > 0
 
 
+def test_a_recompile_mid_run_is_compile_time_not_a_steps_cost(models):  # noqa: F811
+    """A graph compiled again mid-run (guards that failed: a size it was specialised on changed) is
+    counted as compile time, and the step that paid for it is not timed as its variant's cost."""
+    from specgen.pipelines.policy import FixedPolicy
+
+    target, draft = models
+    runner = runner_for(make_recipe(target, draft, k=2, batch=1, compile=True))
+    ids = prompts(lengths=(3, 11))
+    run(runner, ids, max_tokens=6)            # compiles the variant
+    torch._dynamo.reset()                     # every graph compiles again at its next call
+    timed = []
+
+    class Recording(FixedPolicy):
+        def observe_step(self, k: int, width: int, seconds: float) -> None:
+            timed.append(seconds)
+
+    runner.use_policy(Recording(2))
+    _, totals = run(runner, ids, max_tokens=6)
+    recompiled = [key for key in runner.functions.compile_seconds if isinstance(key, tuple) and key[0] == "recompile"]
+    assert {key[1] for key in recompiled} == {2, ("verify", 3)}
+    assert totals.compile_seconds == pytest.approx(sum(runner.functions.compile_seconds[key] for key in recompiled))
+    assert len(timed) == totals.steps - 1 and max(timed) < totals.compile_seconds
+
+
 @pytest.mark.parametrize("rows", [1, 16])
 def test_every_cpu_gemm_takes_the_template_without_autotuning(rows):
     """CPU_FROZEN_SETTINGS: each GEMM of a frozen CPU step runs Inductor's C++ template, chosen without

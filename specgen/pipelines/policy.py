@@ -61,8 +61,10 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   twice a step's cost). Each probe that leaves the choice where it was doubles the interval (up to
   `max_interval`); a change of choice resets it.
 - A compiled k that no probe may try any more (judged on a few steps timed in a slow spell) is
-  re-timed afresh after 4x `max_interval` plain steps, then after twice as many each time (up to
-  32x): a few steps in all where it keeps losing, and no job stays locked out of a draft that pays.
+  re-timed after 4x `max_interval` plain steps, then after twice as many each time (up to 32x): a
+  catch-up and one timed step where that step confirms the cost, else its cost starts over from
+  three fresh steps; never where it would cost over 2% of the rest of the job. A few steps in all
+  where it keeps losing, and no job stays locked out of a draft that pays.
 Nothing here touches a tensor: the policy is host-side arithmetic on a few floats per slot.
 """
 
@@ -95,6 +97,8 @@ UCB_SIGMAS = 2.0           # a probe up assumes the next position accepts this m
 SWITCH_MARGIN = 0.02       # the settled k stays while it is within 2% of the best
 RECHECK_INTERVALS = 4      # a compiled k ruled out re-timed after 4x max_interval plain steps,
 RECHECK_MAX = 32           # ... doubling each time up to 32x
+RECHECK_CONFIRMS = 0.85    # a recheck's first timed step within 15% of the cost ends it
+RECHECK_VALUE = 50         # a recheck costs at most 2% of the time the job still has to run
 
 
 @dataclass(slots=True)
@@ -202,6 +206,7 @@ class AdaptivePolicy:
     _floors: dict[tuple[int, int], float] = field(init=False, default_factory=dict)  # (width, k): least cost
     _second_step: int | None = field(init=False, default=None)   # a probe from plain steps, run twice
     _ruled_out: int = field(init=False, default=0)      # plain steps since a probe found no k that could win
+    _rechecking: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # the cost rechecked
     recheck_after: int = field(init=False, default=0)    # ... after which a compiled k is re-timed
     _probed_from: int | None = field(init=False, default=None)  # the choice at the last probe
     last_choice: int = field(init=False, default=0)
@@ -246,6 +251,14 @@ class AdaptivePolicy:
             # a variant only estimated so far: its first timed steps replace the estimate, and it is
             # judged on their median once there are FIRST_TIMINGS of them (one step can be odd)
             timed = self._estimated[key]
+            old = self._rechecking.pop(key, None)
+            if old is not None and seconds / self.pace >= RECHECK_CONFIRMS * old.seconds:
+                # a recheck whose first step confirms the cost: done (a catch-up and one step)
+                old.add(seconds / self.pace)
+                self._costs[key] = old
+                del self._estimated[key]
+                self._last_timed = key
+                return
             if timed == 0:
                 self._costs[key] = _Cost(seconds / self.pace, profiled=False)
                 self._floors.pop(key, None)
@@ -321,6 +334,11 @@ class AdaptivePolicy:
             return seconds * (0.5 + 0.5 * width / w) * self.pace
         return None
 
+    def floor(self, k: int, width: int) -> float | None:
+        """The least a step of k drafts over `width` slots can cost while it is only estimated."""
+        floor = self._floors.get((width, k))
+        return floor * self.pace if floor is not None else None
+
     def optimistic_job_rates(self, position: int) -> list[float]:
         """The job's rates with draft position `position` (0-based) at its upper confidence bound."""
         job = self.job_rates()
@@ -337,7 +355,7 @@ class AdaptivePolicy:
         if floors:
             # a variant costs at least what a timed one of fewer drafts does (more rows, more drafts):
             # once a trial timed k = 1 at 1.6x a plain step, no larger k is tried on its floor
-            timed = [(k, c) for k, c in costs.items() if (width, k) not in self._estimated]
+            timed = [(k, c) for k, c in costs.items() if c is not None and (width, k) not in self._estimated]
             for (w, k), f in self._floors.items():
                 if w == width:
                     costs[k] = max([f * self.pace, *(c for kk, c in timed if kk < k)])
@@ -470,7 +488,8 @@ class AdaptivePolicy:
 
     def _recheck(self, rates: dict[int, float], available: set[int], width: int) -> int | None:
         """Every `recheck_after` plain steps with every k ruled out, the best compiled k is timed
-        afresh: its cost is estimated again, so its next FIRST_TIMINGS timed steps replace it. A
+        afresh: a first timed step within 15% of its cost (or above) confirms it; one well below
+        starts it over, its next FIRST_TIMINGS timed steps replacing it. A
         median of a few steps timed in one bad spell otherwise ruled k out for the rest of the job
         (MTP on held-out ShareGPT at one slot: k = 1 judged at 29 ms against 17 for a plain step, where
         the same bench's fixed K = 1 ran its steps at 1.06x plain ones, and auto ran plain throughout).
@@ -480,12 +499,20 @@ class AdaptivePolicy:
         draft: its proposals may be worse for a step or two; outputs are the target's either way)."""
         self._ruled_out += self.probe_interval
         ks = [k for k in available if k > 0 and (width, k) in self._costs]
-        if self._ruled_out < self.recheck_after or not ks:
+        if self._ruled_out < self.recheck_after or not ks or not rates.get(0):
+            return None
+        k = max(ks, key=lambda k: rates.get(k, 0.0))
+        # worth it only where the rest of the job is long beside what it costs (a catch-up and a
+        # timed step, each dearer than a plain one): a 16-slot bench of 256 steps paid 4 steps of
+        # twice a plain step's time for a recheck 40 steps from its end
+        remaining = self.horizon_tokens - self._produced if self.horizon_tokens is not None else self._produced
+        extra = 2 * max(self.cost(k, width) - self.cost(0, width), 0.0)
+        if remaining / rates[0] < RECHECK_VALUE * extra:
             return None
         self._ruled_out = 0
         self.recheck_after = min(2 * self.recheck_after, RECHECK_MAX * self.max_interval)
-        k = max(ks, key=lambda k: rates.get(k, 0.0))
         self._estimated[(width, k)] = 0
+        self._rechecking[(width, k)] = self._costs[(width, k)]
         return k
 
     def _could_beat_plain(self, k: int, slots: Sequence[SlotView], width: int) -> bool:
