@@ -39,6 +39,9 @@ def main() -> None:
     runner, _, _ = build_runner(recipe, resolved, 0, expected_steps=1, expected_tokens=1)
     policy = runner.policy
     assert isinstance(policy, AdaptivePolicy), "the recipe's draft must take num_speculative_tokens: auto"
+    bad = [k for k in args.ks if not 1 <= k <= policy.k_max]
+    if bad:
+        parser.error(f"--ks: {bad} outside 1..{policy.k_max} (the recipe's max_speculative_tokens)")
     runner.warm_up()
     width = args.batch_size
     estimates = {k: policy.cost(k, width) for k in args.ks}
@@ -49,7 +52,7 @@ def main() -> None:
         key_index = f.key_index(kv)
         plain = _time(f.device, lambda: f.verify(kv, 1), 7)
         eager_plain = _time(f.device, lambda: unified.verify_block(f.state, f.caches, f.sampling, key_index,
-                                                                  torch.arange(1)), 3)
+                                                                  torch.arange(1, device=f.device)), 3)
         print(f"{args.recipe}, batch {width}, {args.dtype}, {torch.get_num_threads()} threads")
         print(f"plain step: compiled {1e3 * plain:.1f} ms, eager {1e3 * eager_plain:.1f} ms")
         for k in args.ks:
@@ -58,7 +61,7 @@ def main() -> None:
             verify = _time(f.device, lambda: f.verify(kv, k + 1), 7)
             draft = _time(f.device, lambda: f.draft(kv, k + 1, k), 7)
             eager_verify = _time(f.device, lambda: unified.verify_block(f.state, f.caches, f.sampling, key_index,
-                                                                        torch.arange(k + 1)), 3)
+                                                                        torch.arange(k + 1, device=f.device)), 3)
             floor = f"{1e3 * floors[k]:.1f}" if floors[k] is not None else "-"
             print(f"k = {k}: estimated {1e3 * estimates[k]:.1f} ms (floor {floor}); compiled "
                   f"{1e3 * (verify + draft):.1f} ms = verify {1e3 * verify:.1f} + draft {1e3 * draft:.1f}; "

@@ -387,7 +387,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
         dummy_draft = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
         policy = AdaptivePolicy(step.k, acceptance_prior(r.draft_folder, step.k, dummy_draft),
                                 horizon_tokens=expected_tokens,
-                                max_interval=max(FIRST_PROBE_INTERVAL, step.max_window - step.k - 1))
+                                max_interval=max(FIRST_PROBE_INTERVAL, step.max_window - step.k - 1),
+                                max_window=step.max_window)
     runner = Runner(step, batch_size=b, max_seq_len=recipe.runtime.max_seq_len, rules=rules,
                     sampling=sampling, seed=seed, device=r.device, dtype=r.dtype, compile=compile,
                     reasoning=markers, policy=policy)

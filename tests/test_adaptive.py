@@ -22,7 +22,7 @@ from test_mtp import write_mtp_target
 from test_speculative import oracle_for, prompts, run
 
 from specgen.job import build_runner, resolve
-from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy, SlotView, per_position_prior
+from specgen.pipelines.policy import FIRST_PROBE_INTERVAL, AdaptivePolicy, FixedPolicy, SlotView, per_position_prior
 from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
 from specgen.recipe import recipe_from_dict
@@ -263,9 +263,10 @@ def test_a_long_job_compiles_a_variant_whose_floor_wins_then_judges_it_on_its_st
     # a job that would not repay four times the compile even at the floor compiles nothing
     short = fresh(50_000)
     assert [short.choose(SLOTS, set(), WIDTH) for _ in range(20)] == [0] * 20
-    # a long one tries the fewest drafts first ...
+    # a long one tries the fewest drafts first (weighed where a probe could be made) ...
     policy = fresh(10_000_000)
-    assert policy.choose(SLOTS, set(), WIDTH) == 1 and policy.reason == "compile"
+    first = [policy.choose(SLOTS, set(), WIDTH) for _ in range(FIRST_PROBE_INTERVAL)]
+    assert first == [0] * (FIRST_PROBE_INTERVAL - 1) + [1] and policy.reason == "compile"
     # ... whose steps, once compiled, take 64 ms (1.6x a plain step: 16 slots on 2 cores): it is
     # judged on them, and the time of k = 1 bounds k = 2's floor, so nothing more is compiled
     choices, previous = [], 0
@@ -325,6 +326,16 @@ def test_a_k_ruled_out_in_a_slow_spell_is_rechecked_and_wins():
     assert choices[4:100].count(1) == 0
     assert recheck[0] >= 4 * policy.max_interval - 1
     assert choices[-300:].count(1) >= 295
+
+
+def test_a_recheck_waits_until_the_drafts_can_catch_up_within_their_window():
+    # a catch-up reads at most max_window positions: after a longer plain run, the positions before
+    # them would stay unread in the draft's cache for the rest of the request
+    policy = policy_with({0: 0.040, 1: 0.080}, k_max=1, prior=0.3, max_window=20, horizon_tokens=10**7)
+    far = [SlotView(b, 10_000, unabsorbed=300) for b in range(WIDTH)]
+    assert [policy.choose(far, {1}, WIDTH) for _ in range(1000)].count(1) == 0
+    near = [SlotView(b, 10_000, unabsorbed=5) for b in range(WIDTH)]
+    assert 1 in [policy.choose(near, {1}, WIDTH) for _ in range(2 * policy.max_interval)]
 
 
 def test_probes_stop_once_a_losing_variant_is_timed():

@@ -63,8 +63,9 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
 - A compiled k that no probe may try any more (judged on a few steps timed in a slow spell) is
   re-timed after 4x `max_interval` plain steps, then after twice as many each time (up to 32x): a
   catch-up and one timed step where that step confirms the cost, else its cost starts over from
-  three fresh steps; never where it would cost over 2% of the rest of the job. A few steps in all
-  where it keeps losing, and no job stays locked out of a draft that pays.
+  three fresh steps; only once every live slot's draft can catch up within its window, and never
+  where it could cost over 2% of the rest of the job. A few steps in all where it keeps losing,
+  and no job stays locked out of a draft that pays.
 Nothing here touches a tensor: the policy is host-side arithmetic on a few floats per slot.
 """
 
@@ -107,6 +108,7 @@ class SlotView:
 
     slot: int
     remaining: int             # tokens it may still emit (max_tokens left)
+    unabsorbed: int = 0        # positions its draft has not absorbed yet (after plain steps)
 
 
 class FixedPolicy:
@@ -193,6 +195,7 @@ class AdaptivePolicy:
     compile_estimate: dict[int, float] = field(default_factory=dict)   # k -> seconds to compile
     horizon_tokens: float | None = None      # tokens the job is still expected to produce
     max_interval: int = 32
+    max_window: int | None = None            # positions a draft's catch-up reads at most (None: any)
     _job: _Acceptance = field(init=False)
     _slots: dict[int, _Acceptance] = field(init=False, default_factory=dict)
     _costs: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)
@@ -257,6 +260,7 @@ class AdaptivePolicy:
                 old.add(seconds / self.pace)
                 self._costs[key] = old
                 del self._estimated[key]
+                self._ruled_out = 0
                 self._last_timed = key
                 return
             if timed == 0:
@@ -266,6 +270,7 @@ class AdaptivePolicy:
                 cost.add(seconds / self.pace)
             if timed + 1 >= FIRST_TIMINGS:
                 del self._estimated[key]
+                self._ruled_out = 0
             else:
                 self._estimated[key] = timed + 1
         elif cost is None:
@@ -394,12 +399,20 @@ class AdaptivePolicy:
         # ones: a bench's auto never ran k = 1 on an estimate, where k = 1 paid most) runs until
         # FIRST_TIMINGS of its steps are timed (its first step after plain ones catches up and is not)
         untimed = [k for k in ready if k > 0 and (width, k) in self._estimated]
-        # no trial while one is still being timed: its time may rule the next one out
-        floor_rates = self.rates(slots, width, floors=True) if self._floors and not untimed else None
+        # a trial is weighed where a probe could be made (a pass over the slots is host time), never
+        # while another is still being timed (its time may rule the next one out)
+        weigh = self._floors and not untimed and self._since_probe + 1 >= self.probe_interval
+        floor_rates = self.rates(slots, width, floors=True) if weigh else None
         compile = self.worth_compiling(rates, ready, floor_rates)
-        choice = compile if compile is not None else best
-        self.reason = "compile" if compile is not None else "best"
-        if compile is None and untimed:
+        if compile is not None:
+            # compiled by this step; from the next one it runs until it is timed (`untimed`), and no
+            # probe may take this step instead (one had delayed a trial by a probe interval)
+            if weigh:
+                self._since_probe = 0
+            self.last_choice, self.reason = compile, "compile"
+            return compile
+        choice, self.reason = best, "best"
+        if untimed:
             self.last_choice, self.reason = max(untimed, key=ready.get), "probe"
             return self.last_choice
         # A probe out of plain steps catches the draft up on them, so its time is not the variant's
@@ -427,6 +440,7 @@ class AdaptivePolicy:
         if self.reason != "probe":
             if choice > 0 and self.settled == 0:
                 self.recheck_after = RECHECK_INTERVALS * self.max_interval
+                self._ruled_out = 0
             self.settled = choice
         self.last_choice = choice
         return choice
@@ -473,7 +487,7 @@ class AdaptivePolicy:
             if ks:
                 self._ruled_out = 0
                 return max(ks, key=lambda k: rates.get(k, 0.0))
-            return self._recheck(rates, available, width)
+            return self._recheck(rates, available, slots, width)
         up, down = choice + 1, choice - 1
         can_up = up <= self.k_max and up in probe_ks and self._may_win(up, choice, slots, width)
         can_down = down == 0 or down in probe_ks
@@ -486,27 +500,34 @@ class AdaptivePolicy:
             return down
         return up if can_up else None
 
-    def _recheck(self, rates: dict[int, float], available: set[int], width: int) -> int | None:
+    def _recheck(self, rates: dict[int, float], available: set[int], slots: Sequence[SlotView],
+                 width: int) -> int | None:
         """Every `recheck_after` plain steps with every k ruled out, the best compiled k is timed
         afresh: a first timed step within 15% of its cost (or above) confirms it; one well below
-        starts it over, its next FIRST_TIMINGS timed steps replacing it. A
-        median of a few steps timed in one bad spell otherwise ruled k out for the rest of the job
-        (MTP on held-out ShareGPT at one slot: k = 1 judged at 29 ms against 17 for a plain step, where
-        the same bench's fixed K = 1 ran its steps at 1.06x plain ones, and auto ran plain throughout).
-        The interval doubles with every recheck (up to RECHECK_MAX times max_interval), so a k that
-        keeps losing costs the job a few steps in total; a k that wins resets it. The catch-up of a
-        recheck may reach past the draft's window (the oldest skipped positions stay unread by the
-        draft: its proposals may be worse for a step or two; outputs are the target's either way)."""
-        self._ruled_out += self.probe_interval
+        starts it over, its next FIRST_TIMINGS timed steps replacing it. A median of a few steps
+        timed in one bad spell otherwise ruled k out for the rest of the job (MTP on held-out
+        ShareGPT at one slot: k = 1 judged at 29 ms against 17 for a plain step, where the same
+        bench's fixed K = 1 ran its steps at 1.06x plain ones, and auto ran plain throughout). The
+        interval doubles with every recheck (up to RECHECK_MAX times max_interval), so a k that
+        keeps losing costs the job a few steps in total; a k that wins resets it. A recheck waits
+        until every live slot's draft can catch up within its window (after a plain run longer than
+        that, the positions before it would stay unread in the draft's cache for the rest of the
+        request: at one slot, it waits for the next request's first steps), and is made only where
+        it costs at most 2% of what the job still has to run."""
         ks = [k for k in available if k > 0 and (width, k) in self._costs]
-        if self._ruled_out < self.recheck_after or not ks or not rates.get(0):
+        if not ks or not rates.get(0):
+            return None
+        self._ruled_out += self.probe_interval
+        if self._ruled_out < self.recheck_after:
+            return None
+        if self.max_window is not None and any(s.unabsorbed > self.max_window for s in slots):
             return None
         k = max(ks, key=lambda k: rates.get(k, 0.0))
-        # worth it only where the rest of the job is long beside what it costs (a catch-up and a
-        # timed step, each dearer than a plain one): a 16-slot bench of 256 steps paid 4 steps of
-        # twice a plain step's time for a recheck 40 steps from its end
+        # its cost at worst: a catch-up and FIRST_TIMINGS timed steps, each dearer than a plain one
+        # (a 16-slot bench of 256 steps paid 4 steps of twice a plain step's time for a recheck 40
+        # steps from its end)
         remaining = self.horizon_tokens - self._produced if self.horizon_tokens is not None else self._produced
-        extra = 2 * max(self.cost(k, width) - self.cost(0, width), 0.0)
+        extra = (1 + FIRST_TIMINGS) * max(self.cost(k, width) - self.cost(0, width), 0.0)
         if remaining / rates[0] < RECHECK_VALUE * extra:
             return None
         self._ruled_out = 0

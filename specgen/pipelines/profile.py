@@ -11,7 +11,8 @@ advances; every write lands in scratch entries) and:
 - gives the policy `cost(k) = verify(k + 1) + draft(k)` for every k (and, where verify(k + 1) is
   only estimated, its floor `verify(1) + draft(k)`), and compiles now the variant
   that the card's acceptance says the job repays (`AdaptivePolicy.worth_compiling`: the time it is
-  expected to save over the job's tokens at least twice its compile time), then times it.
+  expected to save over the job's tokens at least twice its compile time, or, as a trial, four
+  times at its floor), then times it (its profiled time replaces the estimate).
 Returns the seconds spent. Step times keep being refined by the policy during the run.
 """
 

@@ -98,7 +98,9 @@ class RunTotals:
     steps: int = 0
     prefill_calls: int = 0
     wall_seconds: float = 0.0
-    compile_seconds: float = 0.0     # compilation and CUDA-graph capture, warm-up or mid-run (inside wall_seconds)
+    # compilation and CUDA-graph capture at warm-up, compilation mid-run (a variant's first use, a
+    # recompile); a CUDA graph recorded mid-run for a new kv bucket is not counted (inside wall_seconds)
+    compile_seconds: float = 0.0
     step_seconds: float = 0.0        # the steps' iterations, admission (prefill) left out (inside wall_seconds)
     spec: SpecCounters = field(default_factory=lambda: SpecCounters(0))
     k_steps: list[int] = field(default_factory=list)    # steps run with each k (0 = plain)
@@ -329,7 +331,8 @@ class Runner:
         """Choose k, draft k tokens (none for k = 0), verify k + 1 rows per slot. Returns k and, when
         this step's time is its variant's steady cost, k again (None after a compile or an eager probe)."""
         functions = self.functions
-        views = [SlotView(b, slots[b].tracker.max_tokens - len(slots[b].tracker.token_ids)) for b in live]
+        views = [SlotView(b, slots[b].tracker.max_tokens - len(slots[b].tracker.token_ids), self.gaps[b])
+                 for b in live]
         ready = functions.compiled_ks
         # a probe may draft eagerly, never verify uncompiled: the verify decides the tokens, and only
         # its compiled graph computes them exactly as the plain step does
