@@ -37,7 +37,7 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   rest of the job (`horizon_tokens`) is at least twice that cost, so a short job never compiles what
   it cannot repay (the warm-up asks the same question of the card's figures). The cost of an
   uncompiled verify is an estimate from eager times, which grow with rows far faster than compiled
-  ones (MTP's k = 1 on SmolLM2: 37.5 ms estimated, 25.4 compiled, plain steps 20.6), so a job long
+  ones (MTP's k = 1 on SmolLM2: 35.8 ms estimated, 22.3 compiled, plain steps 19.9), so a job long
   enough to save four times the compile at the variant's floor (the plain step's verify plus its
   draft) compiles the fewest drafts that could win, as a trial: timed before it is used, and its
   time bounds the floors of larger k.
@@ -452,9 +452,10 @@ class AdaptivePolicy:
         its compile time (a job of unknown length: as many tokens as it produced so far). Else a
         trial: the variant whose rate at its cost's floor (`floor_rates`) saves TRIAL_PAYBACK times
         its compile time. An uncompiled verify's estimate scales its eager time, and eager time
-        grows with rows far faster than compiled time does (measured, SmolLM2 at one slot: eager
-        verify 72 ms for one row a slot, 121 for two; compiled 20.6 and 21.9; MTP's k = 1 estimated
-        at 37.5 ms, 25.4 once compiled), so a long job whose draft did pay would never find out.
+        grows with rows far faster than compiled time does (benchmarks/variant_estimates.py, SmolLM2
+        at one slot: eager verify 60 ms for one row a slot, 102 for two; compiled 19.9 both; MTP's
+        k = 1 estimated at 35.8 ms, floor 22.6, 22.3 once compiled), so a long job whose draft did
+        pay would never find out.
         The trial's variant is timed before it is used (FIRST_TIMINGS); at worst the job loses
         its compile, a quarter of what it could have saved."""
         if not ready:
