@@ -339,6 +339,10 @@ class AdaptivePolicy:
             return seconds * (0.5 + 0.5 * width / w) * self.pace
         return None
 
+    def remaining_tokens(self) -> float:
+        """Tokens the job may still produce (a job of unknown length: as many as it produced so far)."""
+        return self.horizon_tokens - self._produced if self.horizon_tokens is not None else self._produced
+
     def floor(self, k: int, width: int) -> float | None:
         """The least a step of k drafts over `width` slots can cost while it is only estimated."""
         floor = self._floors.get((width, k))
@@ -460,7 +464,7 @@ class AdaptivePolicy:
         its compile, a quarter of what it could have saved."""
         if not ready:
             return None
-        remaining = self.horizon_tokens - self._produced if self.horizon_tokens is not None else self._produced
+        remaining = self.remaining_tokens()
         best_rate = max(ready.values())
 
         def saved(rate: float) -> float:
@@ -527,7 +531,7 @@ class AdaptivePolicy:
         # its cost at worst: a catch-up and FIRST_TIMINGS timed steps, each dearer than a plain one
         # (a 16-slot bench of 256 steps paid 4 steps of twice a plain step's time for a recheck 40
         # steps from its end)
-        remaining = self.horizon_tokens - self._produced if self.horizon_tokens is not None else self._produced
+        remaining = self.remaining_tokens()
         extra = (1 + FIRST_TIMINGS) * max(self.cost(k, width) - self.cost(0, width), 0.0)
         if remaining / rates[0] < RECHECK_VALUE * extra:
             return None
