@@ -257,8 +257,7 @@ class AdaptivePolicy:
             old = self._rechecking.pop(key, None)
             if old is not None and seconds / self.pace >= RECHECK_CONFIRMS * old.seconds:
                 # a recheck whose first step confirms the cost: done (a catch-up and one step)
-                old.add(seconds / self.pace)
-                self._costs[key] = old
+                old.add(seconds / self.pace)       # (still the variant's cost: a recheck keeps it)
                 del self._estimated[key]
                 self._ruled_out = 0
                 self._last_timed = key
@@ -405,7 +404,7 @@ class AdaptivePolicy:
         untimed = [k for k in ready if k > 0 and (width, k) in self._estimated]
         # a trial is weighed where a probe could be made (a pass over the slots is host time), never
         # while another is still being timed (its time may rule the next one out)
-        weigh = self._floors and not untimed and self._since_probe + 1 >= self.probe_interval
+        weigh = bool(self._floors) and not untimed and self._since_probe + 1 >= self.probe_interval
         floor_rates = self.rates(slots, width, floors=True) if weigh else None
         compile = self.worth_compiling(rates, ready, floor_rates)
         if compile is not None:
