@@ -328,6 +328,30 @@ def test_a_k_ruled_out_in_a_slow_spell_is_rechecked_and_wins():
     assert choices[-300:].count(1) >= 295
 
 
+def test_a_recheck_near_break_even_restarts_the_cost_and_the_draft_wins():
+    # MTP at one slot: position 1 accepts 20%, and once a slow spell of the VM ends a k = 1 step
+    # takes 46 ms against 40 for a plain one (1.2 tokens for 1.15x the time: k = 1 pays 4%). In the
+    # spell k = 1 steps took 54 ms and it was ruled out. A recheck's 46 ms lies within 15% of 54,
+    # which had passed for confirmation at every recheck (auto ran plain for the rest of the job);
+    # at 46 ms k = 1 could win, so its cost starts over from fresh steps, and k = 1 wins.
+    policy = AdaptivePolicy(1, [0.2])
+    policy.set_cost(0, WIDTH, 0.040)
+    policy.set_cost(1, WIDTH, 0.060, estimated=True)
+    choices, previous = [], 0
+    for step in range(3000):
+        k = policy.choose(SLOTS, {1}, WIDTH)
+        choices.append(k)
+        if not (k > 0 and previous == 0):
+            policy.observe_step(k, WIDTH, (0.054 if step < 300 else 0.046) if k else 0.040)
+        for b in range(WIDTH):
+            policy.observe_block(b, k, k and int((step + b) % 5 == 0))
+        previous = k
+    runs = draft_runs(choices)
+    assert runs[0] == (0, 4)                          # judged on its three slow timed steps: out
+    assert choices[4:300].count(1) <= 4               # rechecked in the spell: confirmed, still out
+    assert choices[-1000:].count(1) >= 950
+
+
 def test_a_recheck_waits_until_the_drafts_can_catch_up_within_their_window():
     # a catch-up reads at most max_window positions: after a longer plain run, the positions before
     # them would stay unread in the draft's cache for the rest of the request

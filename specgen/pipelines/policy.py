@@ -62,10 +62,10 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   `max_interval`); a change of choice resets it.
 - A compiled k that no probe may try any more (judged on a few steps timed in a slow spell) is
   re-timed after 4x `max_interval` plain steps, then after twice as many each time (up to 32x): a
-  catch-up and one timed step where that step confirms the cost, else its cost starts over from
-  three fresh steps; only once every live slot's draft can catch up within its window, and never
-  where it could cost over 2% of the rest of the job. A few steps in all where it keeps losing,
-  and no job stays locked out of a draft that pays.
+  catch-up and one timed step where k still could not win at that step's time, else its cost
+  starts over from three fresh steps; only once every live slot's draft can catch up within its
+  window, and never where it could cost over 2% of the rest of the job. A few steps in all where
+  it keeps losing, and no job stays locked out of a draft that pays.
 Nothing here touches a tensor: the policy is host-side arithmetic on a few floats per slot.
 """
 
@@ -98,7 +98,6 @@ UCB_SIGMAS = 2.0           # a probe up assumes the next position accepts this m
 SWITCH_MARGIN = 0.02       # the settled k stays while it is within 2% of the best
 RECHECK_INTERVALS = 4      # a compiled k ruled out re-timed after 4x max_interval plain steps,
 RECHECK_MAX = 32           # ... doubling each time up to 32x
-RECHECK_CONFIRMS = 0.85    # a recheck's first timed step within 15% of the cost ends it
 RECHECK_VALUE = 50         # a recheck costs at most 2% of the time the job still has to run
 
 
@@ -209,7 +208,8 @@ class AdaptivePolicy:
     _floors: dict[tuple[int, int], float] = field(init=False, default_factory=dict)  # (width, k): least cost
     _second_step: int | None = field(init=False, default=None)   # a probe from plain steps, run twice
     _ruled_out: int = field(init=False, default=0)      # plain steps since a probe found no k that could win
-    _rechecking: dict[tuple[int, int], _Cost] = field(init=False, default_factory=dict)  # the cost rechecked
+    # (width, k) rechecked -> (its cost, the time at or above which it still could not win: stored scale)
+    _rechecking: dict[tuple[int, int], tuple[_Cost, float]] = field(init=False, default_factory=dict)
     recheck_after: int = field(init=False, default=0)    # ... after which a compiled k is re-timed
     _probed_from: int | None = field(init=False, default=None)  # the choice at the last probe
     last_choice: int = field(init=False, default=0)
@@ -254,9 +254,9 @@ class AdaptivePolicy:
             # a variant only estimated so far: its first timed steps replace the estimate, and it is
             # judged on their median once there are FIRST_TIMINGS of them (one step can be odd)
             timed = self._estimated[key]
-            old = self._rechecking.pop(key, None)
-            if old is not None and seconds / self.pace >= RECHECK_CONFIRMS * old.seconds:
-                # a recheck whose first step confirms the cost: done (a catch-up and one step)
+            old, bar = self._rechecking.pop(key, (None, 0.0))
+            if old is not None and seconds / self.pace >= bar:
+                # a recheck whose first step says k still could not win: done (a catch-up and one step)
                 old.add(seconds / self.pace)       # (still the variant's cost: a recheck keeps it)
                 del self._estimated[key]
                 self._ruled_out = 0
@@ -507,11 +507,16 @@ class AdaptivePolicy:
     def _recheck(self, rates: dict[int, float], available: set[int], slots: Sequence[SlotView],
                  width: int) -> int | None:
         """Every `recheck_after` plain steps with every k ruled out, the best compiled k is timed
-        afresh: a first timed step within 15% of its cost (or above) confirms it; one well below
-        starts it over, its next FIRST_TIMINGS timed steps replacing it. A median of a few steps
-        timed in one bad spell otherwise ruled k out for the rest of the job (MTP on held-out
-        ShareGPT at one slot: k = 1 judged at 29 ms against 17 for a plain step, where the same
-        bench's fixed K = 1 ran its steps at 1.06x plain ones, and auto ran plain throughout). The
+        afresh: a first timed step at which k still could not beat plain steps (its first position
+        at its optimistic acceptance, as for a probe) confirms it; a faster one starts it over, its
+        next FIRST_TIMINGS timed steps replacing it. The bar is where k breaks even, not a distance
+        from the old cost: a draft that pays 5-15% over plain steps (MTP at one slot) was judged
+        10-15% dear on a few steps, and a recheck that confirmed anything within 15% of that kept it
+        out of whole jobs (a bench's auto ran plain on 78% of its steps at 0.89x of fixed K = 1's
+        speed). Without rechecks a median of a few steps timed in one bad spell ruled k out for the
+        rest of the job (MTP on held-out ShareGPT at one slot: k = 1 judged at 29 ms against 17 for
+        a plain step, where the same bench's fixed K = 1 ran its steps at 1.06x plain ones, and
+        auto ran plain throughout). The
         interval doubles with every recheck (up to RECHECK_MAX times max_interval), so a k that
         keeps losing costs the job a few steps in total; a k that wins resets it. A recheck waits
         until every live slot's draft can catch up within its window (after a plain run longer than
@@ -537,7 +542,9 @@ class AdaptivePolicy:
         self._ruled_out = 0
         self.recheck_after = min(2 * self.recheck_after, RECHECK_MAX * self.max_interval)
         self._estimated[(width, k)] = 0
-        self._rechecking[(width, k)] = self._costs[(width, k)]
+        optimistic = self.rates(slots, width, self.optimistic_job_rates(0))
+        tokens = optimistic[k] * self.cost(k, width)            # k's expected tokens per step, optimistic
+        self._rechecking[(width, k)] = (self._costs[(width, k)], tokens / optimistic[0] / self.pace)
         return k
 
     def _could_beat_plain(self, k: int, slots: Sequence[SlotView], width: int) -> bool:
