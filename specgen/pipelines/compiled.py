@@ -61,6 +61,12 @@ def freezes(device: torch.device, slots: int) -> bool:
     return device.type == "cpu" and slots <= CPU_FREEZE_MAX_SLOTS
 
 
+def compiles_prefill(device: torch.device) -> bool:
+    """Whether a compiled runner compiles its prefill too: on CUDA, where it pays (launches); on CPU
+    its large GEMMs gain little from Inductor, so it stays eager."""
+    return device.type == "cuda"
+
+
 def use_compile_cache(directory: Path) -> None:
     """Point Inductor's (and Triton's) on-disk caches at `directory` unless the user already chose.
 
@@ -195,10 +201,13 @@ class StepFunctions:
             for t in (*state.tensors(), *caches.tensors(), *unified.target.static_tensors(),
                       *sampling.tensors()):
                 torch._dynamo.mark_static_address(t)
-        self.prefill_compiled = compile_prefill if compile_prefill is not None else device.type == "cuda"
+        self.prefill_compiled = compile_prefill if compile_prefill is not None else compiles_prefill(device)
         if self.prefill_compiled:
+            # Only the batch's rows and padded length are dynamic (marked at each call, `prefill`):
+            # `dynamic=True` made every Python int symbolic too, the layer indices a target captures
+            # for the draft among them, and the capture's lookup failed to trace (seen on an H200).
             self._prefill = _under_settings(
-                torch.compile(own_code(unified.prefill), fullgraph=True, dynamic=True), self.frozen, self.device)
+                torch.compile(own_code(unified.prefill), fullgraph=True, dynamic=None), self.frozen, self.device)
 
     def _compile(self, fn):
         # The modules' attributes never change during a run (weights are fixed, flags set at build):
