@@ -48,6 +48,11 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
         assert set(FIELDS) <= row.keys()
         assert len(row["samples"]) == 2 and row["tokens_per_second"] > 0
         assert row["speedup_vs_ar"] > 0 and row["speedup_vs_hf"] > 0
+    # each run's figures were printed as it ended: a bench stopped early has shown what it measured
+    for row in rows:
+        for n, sample in enumerate(row["samples"], 1):
+            assert f"batch {row['batch_size']}: {row['config']}, run {n}: {sample:.1f} tok/s" in result.output
+    assert "eagle3 K=2 warmed up in" in result.output and ", acceptance length " in result.output
     spec = next(r for r in rows if r["config"] == "eagle3 K=2")
     assert spec["mean_acceptance_length"] >= 1 and len(spec["acceptance_rate_per_position"]) == 2
     assert sum(spec["acceptance_histogram"]) == spec["num_drafts"] > 0

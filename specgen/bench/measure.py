@@ -283,12 +283,14 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             measurements[name] = Measurement(name, batch, [], 0, time.perf_counter() - start,
                                              runners[name].compiled,
                                              shares_runner_of=lead if lead != name else None)
+            status(f"batch {batch}: {name} warmed up in {measurements[name].warmup_seconds:.1f} s")
         measurements = {name: measurements[name] for name, _, _ in configs}   # the configs' order
         for repeat in range(options.repeats):
             for name, recipe, _ in round_order(configs, repeat):   # interleaved: see round_order
                 status(f"batch {batch}: {name}, run {repeat + 1} of {options.repeats}")
                 m = measurements[name]
                 _reset_peak_memory(resolved.device)
+                figures = ""
                 if recipe is None:
                     tokens, seconds = runners[name].generate(prompts, batch, options.max_tokens)
                 else:
@@ -301,7 +303,13 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                             k = recipe.draft.num_speculative_tokens
                             counters[name] = SpecCounters(int(k) if isinstance(k, int) else 0)
                         counters[name].merge(totals.spec.narrowed(counters[name].num_speculative_tokens))
+                    figures = f", {1000 * totals.step_seconds / max(1, totals.steps):.2f} ms a step"
+                    if totals.spec.num_drafts:
+                        figures += f", acceptance length {totals.spec.mean_acceptance_length:.2f}"
                 m.samples.append(tokens / seconds)
+                # each run's figures as it ends: a bench stopped early (a time limit, Ctrl-C) has
+                # still shown what it measured
+                status(f"batch {batch}: {name}, run {repeat + 1}: {tokens / seconds:.1f} tok/s{figures}")
                 m.output_tokens = tokens
                 m.peak_memory_bytes = max(m.peak_memory_bytes or 0, _peak_memory(resolved.device))
     finally:
