@@ -516,9 +516,9 @@ class AdaptivePolicy:
         speed). Without rechecks a median of a few steps timed in one bad spell ruled k out for the
         rest of the job (MTP on held-out ShareGPT at one slot: k = 1 judged at 29 ms against 17 for
         a plain step, where the same bench's fixed K = 1 ran its steps at 1.06x plain ones, and
-        auto ran plain throughout). The
-        interval doubles with every recheck (up to RECHECK_MAX times max_interval), so a k that
-        keeps losing costs the job a few steps in total; a k that wins resets it. A recheck waits
+        auto ran plain throughout). The interval doubles with every recheck (up to RECHECK_MAX
+        times max_interval), so a k that keeps losing costs the job a few steps in total; a k that
+        wins resets it. A recheck waits
         until every live slot's draft can catch up within its window (after a plain run longer than
         that, the positions before it would stay unread in the draft's cache for the rest of the
         request: at one slot, it waits for the next request's first steps), and is made only where
@@ -542,10 +542,15 @@ class AdaptivePolicy:
         self._ruled_out = 0
         self.recheck_after = min(2 * self.recheck_after, RECHECK_MAX * self.max_interval)
         self._estimated[(width, k)] = 0
-        optimistic = self.rates(slots, width, self.optimistic_job_rates(0))
+        optimistic = self._optimistic_rates(slots, width, 0)
         tokens = optimistic[k] * self.cost(k, width)            # k's expected tokens per step, optimistic
         self._rechecking[(width, k)] = (self._costs[(width, k)], tokens / optimistic[0] / self.pace)
         return k
+
+    def _optimistic_rates(self, slots: Sequence[SlotView], width: int, position: int) -> dict[int, float]:
+        """`rates` with the job's acceptance at `position` taken at its optimistic bound (probes,
+        rechecks: what would have to hold for a k to win)."""
+        return self.rates(slots, width, self.optimistic_job_rates(position))
 
     def _could_beat_plain(self, k: int, slots: Sequence[SlotView], width: int) -> bool:
         """Whether k drafts could beat plain steps with the first position at its optimistic
@@ -553,14 +558,14 @@ class AdaptivePolicy:
         timed (then at the estimate): a probe is what would correct either, and where even that
         loses (8 slots on 2 CPU cores: a k = 1 step cost 2x a plain one), probing only costs (a
         bench's auto spent 5% of its steps on k = 1 there)."""
-        optimistic = self.rates(slots, width, self.optimistic_job_rates(0))
+        optimistic = self._optimistic_rates(slots, width, 0)
         cost = self._costs.get((width, k))
         doubt = COST_DOUBT if cost is None or cost.timed < FIRST_TIMINGS else 1.0
         return optimistic.get(k, 0.0) / doubt > optimistic.get(0, 0.0)
 
     def _may_win(self, k: int, choice: int, slots: Sequence[SlotView], width: int) -> bool:
         """Whether k drafts beat `choice` with k's last position at its optimistic acceptance."""
-        optimistic = self.rates(slots, width, self.optimistic_job_rates(k - 1))
+        optimistic = self._optimistic_rates(slots, width, k - 1)
         return optimistic.get(k, 0.0) > optimistic.get(choice, 0.0)
 
     def summary(self) -> dict:
