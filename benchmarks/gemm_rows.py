@@ -1,12 +1,14 @@
 """Time of one compiled CPU GEMM by the number of rows, as the step compiles it (frozen weights,
-Inductor's C++ template, no autotuning: pipelines/compiled.py), in bf16 and float32; with
-`--block 4` the rows go through GEMMs of at most 4 rows each.
+Inductor's C++ template, no autotuning, register tiles of at most 4 rows: pipelines/cpu_gemm.py), in
+bf16 and float32; with `--tile-rows 0` the tiles Inductor picks itself; with `--block 4` the rows go
+through GEMMs of at most 4 rows each.
 
-    python benchmarks/gemm_rows.py --shape 3072 576 --rows 1 2 4 5 8 16 [--block 4]
+    python benchmarks/gemm_rows.py --shape 3072 576 --rows 1 2 4 5 8 16 [--tile-rows 0] [--block 4]
 
-Why: a step's GEMMs have B x (K + 1) rows. On 2 AMD EPYC Zen 4 cores the template's time per row
-rises past 4 rows (SmolLM2's 3072 x 576 MLP GEMM: about 160 us for 1-4 rows, 450-570 us for 8), and
-the same rows in 4-row blocks took about half of that in bf16 (README, "Which dtype").
+Why: a step's GEMMs have B x (K + 1) rows. On 2 AMD EPYC Zen 4 cores, with Inductor's own tiles (8
+rows on AVX-512), the template's time per row rose past 4 rows (SmolLM2's 3072 x 576 MLP GEMM in
+bf16: 160 us for 4 rows, 571 for 8); with 4-row tiles, 8 rows took 234-241 us (cpu_gemm.py). Run
+it with and without `--tile-rows 0` on another CPU before trusting the choice there.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import time
 
 import torch
 
-from specgen.pipelines.compiled import _take_templates_without_autotuning, _under_settings, own_code
+from specgen.pipelines.compiled import _under_settings, own_code
+from specgen.pipelines.cpu_gemm import MAX_TILE_ROWS, use_cpu_gemm_template
 
 
 def time_gemm(linear: torch.nn.Linear, rows: int, block: int | None) -> float:
@@ -48,8 +51,10 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=2, default=[3072, 576], metavar=("OUT", "IN"))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16])
     parser.add_argument("--block", type=int, default=None, help="rows per GEMM (default: all in one)")
+    parser.add_argument("--tile-rows", type=int, default=MAX_TILE_ROWS,
+                        help="rows of the micro-kernel's register tile on AVX-512 (0: Inductor's own choice)")
     args = parser.parse_args()
-    _take_templates_without_autotuning()
+    use_cpu_gemm_template(args.tile_rows or None)
     for dtype in (torch.bfloat16, torch.float32):
         linear = torch.nn.Linear(args.shape[1], args.shape[0], bias=False).to(dtype).eval()
         for rows in args.rows:

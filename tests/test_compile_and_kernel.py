@@ -62,7 +62,8 @@ def test_every_cpu_gemm_takes_the_template_without_autotuning(rows):
     """CPU_FROZEN_SETTINGS: each GEMM of a frozen CPU step runs Inductor's C++ template, chosen without
     benchmarking, whatever its row count (autotuning had taken MKL for 16 rows and more: steps of 2
     rows per slot at batch 8 ran as slowly as eager ones)."""
-    from specgen.pipelines.compiled import _take_templates_without_autotuning, _under_settings, own_code
+    from specgen.pipelines.compiled import _under_settings, own_code
+    from specgen.pipelines.cpu_gemm import use_cpu_gemm_template
 
     class TwoLinears(torch.nn.Module):
         def __init__(self) -> None:
@@ -75,7 +76,7 @@ def test_every_cpu_gemm_takes_the_template_without_autotuning(rows):
 
     module = TwoLinears().eval()
     x = torch.randn(rows, 64)
-    _take_templates_without_autotuning()
+    use_cpu_gemm_template()
     compiled = _under_settings(torch.compile(own_code(module.forward), fullgraph=True, dynamic=False),
                                True, torch.device("cpu"))
     torch._dynamo.reset()
@@ -86,6 +87,40 @@ def test_every_cpu_gemm_takes_the_template_without_autotuning(rows):
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
     assert counters["inductor"]["cpp_templated_kernel_counter"] == 2
     assert counters["inductor"]["select_algorithm_autotune"] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_cpu_gemm_row_gets_the_bits_of_a_one_row_gemm_with_four_row_tiles(dtype):
+    """cpu_gemm: a GEMM of 13 rows (3 full 4-row register tiles and a tail) gives every row the bits
+    the same GEMM of 1 row gives it (what keeps verified tokens equal to plain decoding's), and on
+    AVX-512 it runs register tiles of 4 rows (Inductor's own choice, 8 rows, was 2-2.6x slower per
+    row past 4 rows on AMD EPYC Zen 4)."""
+    from torch._inductor.cpu_vec_isa import VecAVX512, pick_vec_isa
+    from torch._inductor.utils import run_and_get_code
+
+    from specgen.pipelines.compiled import _under_settings, own_code
+    from specgen.pipelines.cpu_gemm import MAX_TILE_ROWS, use_cpu_gemm_template
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 192, bias=False).to(dtype).eval()
+    use_cpu_gemm_template()
+    torch._dynamo.reset()
+
+    def compiled():
+        return _under_settings(torch.compile(own_code(lambda x: linear(x)), fullgraph=True, dynamic=False),
+                               True, torch.device("cpu"))
+
+    x = torch.randn(13, 96, dtype=dtype)
+    with torch.inference_mode():
+        many, (code,) = run_and_get_code(compiled(), x)
+        one_row = compiled()
+        rows = torch.cat([one_row(x[i:i + 1]) for i in range(13)])
+    assert torch.equal(many, rows)
+    torch.testing.assert_close(many.float(), linear(x).float(), rtol=2e-2, atol=2e-2)
+    assert "constexpr int64_t Mr = " in code       # the C++ template ran
+    isa = pick_vec_isa()
+    if isinstance(isa, VecAVX512) and not ("AMX" in type(isa).__name__ and dtype == torch.bfloat16):
+        assert f"constexpr int64_t Mr = {MAX_TILE_ROWS};" in code
 
 
 def test_triton_kernel_inside_the_pipeline_equals_reference(models, monkeypatch):  # noqa: F811

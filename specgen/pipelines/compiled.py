@@ -31,7 +31,6 @@ kernels and the autotuning choices always: frozen graphs bypass Inductor's graph
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 import time
@@ -42,6 +41,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
+from specgen.pipelines.cpu_gemm import CPU_FROZEN_SETTINGS, use_cpu_gemm_template
 from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep
 from specgen.sampling import SamplingTensors
 
@@ -82,48 +82,6 @@ def use_compile_cache(directory: Path) -> None:
 
 # Inductor's CPU autotuning calls a deprecated storage API: a warning no user can act on.
 warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
-
-# Frozen CPU steps take Inductor's C++ GEMM template (weights prepacked into its blocked layout, a
-# micro-kernel per shape). A step's GEMMs have few rows (K + 1 per slot), a shape oneDNN/MKL run far
-# from the memory bound: on 2 cores, SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1
-# row (frozen, oneDNN), and 19 ms at both with the template. It needs frozen weights (constants to
-# prepack). ATen stays a backend for what the template cannot take, but where it can, the template
-# is taken WITHOUT autotuning (`_template_when_possible`): a row's result must not depend on how many
-# rows the GEMM has, or a token verified beside drafts is not the token plain decoding computes.
-# The template's rows are independent (measured: SmolLM2's five shapes, bf16 and fp32, 1 row static
-# against 2-5 rows dynamic); autotuning took oneDNN for some shapes of one graph and the template in
-# the other, by margins inside the noise of a 2-core VM, and two of those five shapes then gave row 0
-# other bits in bf16. One choice also leaves nothing to benchmark while compiling (the EAGLE-3 demo's
-# cold warm-up on 2 AMD EPYC Zen 4 cores: 337 -> 208 s), and nothing a noisy run can cache.
-CPU_FROZEN_SETTINGS = {
-    "max_autotune_gemm": True,
-    "max_autotune_gemm_backends": "CPP,ATEN",
-    "autotune_num_choices_displayed": 0,
-    "max_autotune_report_choices_stats": False,
-}
-
-
-def _template_when_possible(choices: list) -> list:
-    """Inductor's autotuning choices for one GEMM -> the C++ template alone where it is one of them
-    (CPU; see CPU_FROZEN_SETTINGS), else unchanged (CUDA's choices, or ATen alone).
-
-    A template whose weight is read transposed (every `nn.Linear`) comes wrapped in a
-    `DataProcessorChoiceCallerWrapper`; looking only for the bare class found none, so autotuning
-    ran after all and took MKL for 16 rows and more (measured, 2 AMD EPYC Zen 4 cores, SmolLM2 fp32,
-    batch 8: a step of 2 rows per slot 125.8 ms against 35.8 for 1 row, as slow as eager)."""
-    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
-
-    templates = [c for c in choices if isinstance(getattr(c, "_wrapped", c), CppTemplateCaller)]
-    return templates[:1] if templates else choices
-
-
-@functools.cache
-def _take_templates_without_autotuning() -> None:
-    """Install `_template_when_possible` in Inductor's choice selection (once per process)."""
-    from torch._inductor.select_algorithm import add_preprocessing_fn
-
-    add_preprocessing_fn(_template_when_possible)
-
 
 _code_ids = itertools.count(1)
 
@@ -189,7 +147,7 @@ class StepFunctions:
         # on-disk graph cache.
         self.frozen = freezes(device, state.pending.shape[0])
         if self.frozen:
-            _take_templates_without_autotuning()
+            use_cpu_gemm_template()
         self._options = {}
         # Each compiled function has a code object of its own (own_code); a few recompiles remain
         # possible (a sampling flag that widens, the prefill's shapes).

@@ -1,0 +1,94 @@
+"""How a frozen CPU step's GEMMs are compiled: Inductor's C++ GEMM template, one choice, small register tiles.
+
+Contract: `use_cpu_gemm_template()` (once per process, idempotent) makes every GEMM Inductor compiles
+under `CPU_FROZEN_SETTINGS` take the C++ template without autotuning, with register tiles of at most
+`MAX_TILE_ROWS` rows on AVX-512. Both keep a row's result independent of how many rows its GEMM
+has (the template accumulates each output row over k in the same order whatever the tile), which
+is what makes a token verified beside drafts the token plain decoding computes.
+
+Why the template: a step's GEMMs have few rows (K + 1 per slot), a shape oneDNN/MKL run far from the
+memory bound: on 2 cores, SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1 row (frozen,
+oneDNN), and 19 ms at both with the template. It needs frozen weights (constants to prepack). ATen
+stays a backend for what the template cannot take, but where it can, the template is taken WITHOUT
+autotuning (`_template_when_possible`): autotuning took oneDNN for some shapes of one graph and the
+template in the other, by margins inside the noise of a 2-core VM, and two of SmolLM2's five shapes
+then gave row 0 other bits in bf16. One choice also leaves nothing to benchmark while compiling (the
+EAGLE-3 demo's cold warm-up on 2 AMD EPYC Zen 4 cores: 337 -> 208 s), and nothing a noisy run can
+cache.
+
+Why small tiles (`_narrow_register_tiles`): on AVX-512 the template's fp32-accumulating micro-kernel
+(fp32, and bf16 converted to fp32 where the CPU has no AMX) takes an 8 x 48 register tile for any
+GEMM of 8 rows or more: 24 accumulator vectors. Its time per row jumps there (SmolLM2's 3072 x 576
+GEMM, 2 AMD EPYC Zen 4 cores, GCC 12, `python benchmarks/gemm_rows.py`: bf16 160 / 571 / 1,036 us
+at 4 / 8 / 16 rows) while a GEMM of 4 rows, which runs that kernel's 4-row tail tile, stays cheap.
+With tiles of 4 x 48 (12 accumulators) the same GEMMs took 178 / 234 / 395 us in bf16 and 171 /
+252 / 423 us in fp32 (against 173 / 419 / 751), and at 1-4 rows they run the same tail code as
+before. Tiles of 6 x 32 (12 accumulators) ran like 4 x 48; 4 x 64 (16) and 8 x 48 (24) did not.
+Intel's AMX path (bf16 on Xeons with AMX) is another micro-kernel, left as Inductor chooses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+CPU_FROZEN_SETTINGS = {
+    "max_autotune_gemm": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+    "max_autotune_report_choices_stats": False,
+}
+
+# rows of the AVX-512 fp32-accumulating micro-kernel's register tile (Inductor's default: 8 or 16)
+MAX_TILE_ROWS = 4
+
+
+def _template_when_possible(choices: list) -> list:
+    """Inductor's autotuning choices for one GEMM -> the C++ template alone where it is one of them
+    (CPU), else unchanged (CUDA's choices, or ATen alone).
+
+    A template whose weight is read transposed (every `nn.Linear`) comes wrapped in a
+    `DataProcessorChoiceCallerWrapper`; looking only for the bare class found none, so autotuning
+    ran after all and took MKL for 16 rows and more (measured, 2 AMD EPYC Zen 4 cores, SmolLM2 fp32,
+    batch 8: a step of 2 rows per slot 125.8 ms against 35.8 for 1 row, as slow as eager)."""
+    from torch._inductor.codegen.cpp_template_kernel import CppTemplateCaller
+
+    templates = [c for c in choices if isinstance(getattr(c, "_wrapped", c), CppTemplateCaller)]
+    return templates[:1] if templates else choices
+
+
+def _narrow_register_tiles(max_rows: int = MAX_TILE_ROWS) -> int:
+    """Cap the rows of the register tiles Inductor may pick for its AVX-512 fp32-accumulating CPU
+    micro-kernel (fp32, bf16 and fp16 inputs; not the int8 weight-only kernels, not AMX): a tile
+    of m x n becomes min(m, max_rows) x n. Returns how many tiles changed (0 where Inductor's
+    registry is not as expected: then its own choice stands)."""
+    import torch
+    import torch._inductor.lowering  # noqa: F401  (the codegen modules import in this order)
+    from torch._inductor.codegen import cpp_micro_gemm as micro
+
+    configs_of = getattr(micro, "micro_gemm_configs", None)
+    kernel = getattr(micro, "CppMicroGemmFP32Vec", None)
+    avx512 = getattr(micro, "VecAVX512", None)
+    if not isinstance(configs_of, dict) or kernel not in configs_of or avx512 is None:
+        return 0
+    changed = 0
+    for i, config in enumerate(configs_of[kernel]):
+        tile = config.register_blocking
+        if (config.vec_isa_cls is avx512 and config.extra_check is None and tile.block_m > max_rows
+                and config.input_dtype == config.input2_dtype
+                and config.input_dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            configs_of[kernel][i] = dataclasses.replace(config, register_blocking=tile._replace(block_m=max_rows))
+            changed += 1
+    return changed
+
+
+@functools.cache
+def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS) -> None:
+    """Install `_template_when_possible` in Inductor's choice selection and narrow its register tiles
+    to `max_tile_rows` rows (None: Inductor's own tiles, for `benchmarks/gemm_rows.py`). Once per
+    process: the first call's tiles stand. Both act only where the C++ template compiles a GEMM."""
+    from torch._inductor.select_algorithm import add_preprocessing_fn
+
+    add_preprocessing_fn(_template_when_possible)
+    if max_tile_rows is not None:
+        _narrow_register_tiles(max_tile_rows)
