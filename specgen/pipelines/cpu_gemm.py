@@ -17,13 +17,13 @@ EAGLE-3 demo's cold warm-up on 2 AMD EPYC Zen 4 cores: 337 -> 208 s), and nothin
 cache.
 
 Why small tiles (`_narrow_register_tiles`): on AVX-512 the template's fp32-accumulating micro-kernel
-(fp32, and bf16 converted to fp32 where the CPU has no AMX) takes an 8 x 48 register tile for any
-GEMM of 8 rows or more: 24 accumulator vectors. Its time per row jumps there (SmolLM2's 3072 x 576
-GEMM, 2 AMD EPYC Zen 4 cores, GCC 12, `python benchmarks/gemm_rows.py`: bf16 160 / 571 / 1,036 us
-at 4 / 8 / 16 rows) while a GEMM of 4 rows, which runs that kernel's 4-row tail tile, stays cheap.
-With tiles of 4 x 48 (12 accumulators) the same GEMMs took 178 / 234 / 395 us in bf16 and 171 /
-252 / 423 us in fp32 (against 173 / 419 / 751), and at 1-4 rows they run the same tail code as
-before. Tiles of 6 x 32 (12 accumulators) ran like 4 x 48; 4 x 64 (16) and 8 x 48 (24) did not.
+(fp32, and bf16 converted to fp32 where the CPU has no AMX) picks an 8 x 48 register tile, 24
+accumulator vectors: a GEMM of 1-4 rows runs only its tail instantiations (at most 12), one of 8
+rows or more the full tile, and the time per row jumps there (SmolLM2's 3072 x 576 GEMM, 2 AMD EPYC
+Zen 4 cores, GCC 12, `python benchmarks/gemm_rows.py --tile-rows 0`: bf16 160 / 571 / 1,036 us at
+4 / 8 / 16 rows; fp32 173 / 419 / 751). With tiles of 4 x 48 (12 accumulators) the same GEMMs took
+160-178 / 234-241 / 395-462 us in bf16 and 171-174 / 252-273 / 423-437 in fp32 (two runs), and at
+1-4 rows they run the same tail code as before. Tiles of 6 x 32 (12 accumulators) ran like 4 x 48; 4 x 64 (16) and 8 x 48 (24) did not.
 Intel's AMX path (bf16 on Xeons with AMX) is another micro-kernel, left as Inductor chooses it.
 """
 
