@@ -52,7 +52,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 5, 8, 16])
     parser.add_argument("--block", type=int, default=None, help="rows per GEMM (default: all in one)")
     parser.add_argument("--tile-rows", type=int, default=MAX_TILE_ROWS,
-                        help="rows of the micro-kernel's register tile on AVX-512 (0: Inductor's own choice)")
+                        help="most rows of the AVX-512 micro-kernel's register tiles (0: Inductor's own tiles)")
     args = parser.parse_args()
     use_cpu_gemm_template(args.tile_rows or None)
     for dtype in (torch.bfloat16, torch.float32):

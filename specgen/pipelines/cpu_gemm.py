@@ -1,10 +1,12 @@
-"""How a frozen CPU step's GEMMs are compiled: Inductor's C++ GEMM template, one choice, small register tiles.
+"""How a frozen CPU step's GEMMs compile: Inductor's C++ GEMM template, one choice, small register tiles.
 
 Contract: `use_cpu_gemm_template()` (once per process, idempotent) makes every GEMM Inductor compiles
 under `CPU_FROZEN_SETTINGS` take the C++ template without autotuning, with register tiles of at most
 `MAX_TILE_ROWS` rows on AVX-512. Both keep a row's result independent of how many rows its GEMM
-has (the template accumulates each output row over k in the same order whatever the tile), which
-is what makes a token verified beside drafts the token plain decoding computes.
+has (the template accumulates each output row over k in the same order whatever the tile, as long
+as it never splits k across threads: `cpp.gemm_max_k_slices` is pinned to 1, its default, since
+whether it splits depends on the rows), which is what makes a token verified beside drafts the
+token plain decoding computes.
 
 Why the template: a step's GEMMs have few rows (K + 1 per slot), a shape oneDNN/MKL run far from the
 memory bound: on 2 cores, SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1 row (frozen,
@@ -23,7 +25,8 @@ rows or more the full tile, and the time per row jumps there (SmolLM2's 3072 x 5
 Zen 4 cores, GCC 12, `python benchmarks/gemm_rows.py --tile-rows 0`: bf16 160 / 571 / 1,036 us at
 4 / 8 / 16 rows; fp32 173 / 419 / 751). With tiles of 4 x 48 (12 accumulators) the same GEMMs took
 160-178 / 234-241 / 395-462 us in bf16 and 171-174 / 252-273 / 423-437 in fp32 (two runs), and at
-1-4 rows they run the same tail code as before. Tiles of 6 x 32 (12 accumulators) ran like 4 x 48; 4 x 64 (16) and 8 x 48 (24) did not.
+1-4 rows they run the same tail code as before. Tiles of 6 x 32 (12 accumulators) ran like 4 x 48;
+4 x 64 (16) and 8 x 48 (24) did not.
 Intel's AMX path (bf16 on Xeons with AMX) is another micro-kernel, left as Inductor chooses it.
 """
 
@@ -37,6 +40,7 @@ CPU_FROZEN_SETTINGS = {
     "max_autotune_gemm_backends": "CPP,ATEN",
     "autotune_num_choices_displayed": 0,
     "max_autotune_report_choices_stats": False,
+    "cpp.gemm_max_k_slices": 1,
 }
 
 # rows of the AVX-512 fp32-accumulating micro-kernel's register tile (Inductor's default: 8 or 16)
@@ -77,18 +81,29 @@ def _narrow_register_tiles(max_rows: int = MAX_TILE_ROWS) -> int:
         if (config.vec_isa_cls is avx512 and config.extra_check is None and tile.block_m > max_rows
                 and config.input_dtype == config.input2_dtype
                 and config.input_dtype in (torch.float32, torch.bfloat16, torch.float16)):
-            configs_of[kernel][i] = dataclasses.replace(config, register_blocking=tile._replace(block_m=max_rows))
+            narrow = tile._replace(block_m=max_rows)
+            configs_of[kernel][i] = dataclasses.replace(config, register_blocking=narrow)
             changed += 1
     return changed
 
 
 @functools.cache
+def _take_template_without_autotuning() -> None:
+    from torch._inductor.select_algorithm import add_preprocessing_fn
+
+    add_preprocessing_fn(_template_when_possible)
+
+
+_tiles_chosen = False
+
+
 def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS) -> None:
     """Install `_template_when_possible` in Inductor's choice selection and narrow its register tiles
     to `max_tile_rows` rows (None: Inductor's own tiles, for `benchmarks/gemm_rows.py`). Once per
     process: the first call's tiles stand. Both act only where the C++ template compiles a GEMM."""
-    from torch._inductor.select_algorithm import add_preprocessing_fn
-
-    add_preprocessing_fn(_template_when_possible)
-    if max_tile_rows is not None:
-        _narrow_register_tiles(max_tile_rows)
+    global _tiles_chosen
+    _take_template_without_autotuning()
+    if not _tiles_chosen:
+        _tiles_chosen = True
+        if max_tile_rows is not None:
+            _narrow_register_tiles(max_tile_rows)
