@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from specgen.pipelines.compiled import _under_settings, own_code
+from specgen.pipelines.compiled import compile_frozen_on_cpu
 from specgen.pipelines.cpu_gemm import MAX_TILE_ROWS, use_cpu_gemm_template
 
 
@@ -32,7 +32,7 @@ def time_gemm(linear: torch.nn.Linear, rows: int, block: int | None) -> float:
         return torch.cat([linear(x[i:i + block]) for i in range(0, rows, block)])
 
     torch._dynamo.reset()
-    fn = _under_settings(torch.compile(own_code(gemm), fullgraph=True, dynamic=False), True, torch.device("cpu"))
+    fn = compile_frozen_on_cpu(gemm)
     x = torch.randn(rows, linear.in_features, dtype=linear.weight.dtype)
     with torch.no_grad():
         for _ in range(20):

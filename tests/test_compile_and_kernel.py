@@ -62,8 +62,7 @@ def test_every_cpu_gemm_takes_the_template_without_autotuning(rows):
     """CPU_FROZEN_SETTINGS: each GEMM of a frozen CPU step runs Inductor's C++ template, chosen without
     benchmarking, whatever its row count (autotuning had taken MKL for 16 rows and more: steps of 2
     rows per slot at batch 8 ran as slowly as eager ones)."""
-    from specgen.pipelines.compiled import _under_settings, own_code
-    from specgen.pipelines.cpu_gemm import use_cpu_gemm_template
+    from specgen.pipelines.compiled import compile_frozen_on_cpu
 
     class TwoLinears(torch.nn.Module):
         def __init__(self) -> None:
@@ -76,9 +75,7 @@ def test_every_cpu_gemm_takes_the_template_without_autotuning(rows):
 
     module = TwoLinears().eval()
     x = torch.randn(rows, 64)
-    use_cpu_gemm_template()
-    compiled = _under_settings(torch.compile(own_code(module.forward), fullgraph=True, dynamic=False),
-                               True, torch.device("cpu"))
+    compiled = compile_frozen_on_cpu(module.forward)
     torch._dynamo.reset()
     counters.clear()
     with torch.inference_mode():
@@ -98,17 +95,15 @@ def test_a_cpu_gemm_row_gets_the_bits_of_a_one_row_gemm_with_four_row_tiles(dtyp
     from torch._inductor.cpu_vec_isa import VecAMX, VecAVX512, pick_vec_isa
     from torch._inductor.utils import run_and_get_code
 
-    from specgen.pipelines.compiled import _under_settings, own_code
-    from specgen.pipelines.cpu_gemm import MAX_TILE_ROWS, use_cpu_gemm_template
+    from specgen.pipelines.compiled import compile_frozen_on_cpu
+    from specgen.pipelines.cpu_gemm import MAX_TILE_ROWS
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 192, bias=False).to(dtype).eval()
-    use_cpu_gemm_template()
     torch._dynamo.reset()
 
     def compiled():
-        return _under_settings(torch.compile(own_code(lambda x: linear(x)), fullgraph=True, dynamic=False),
-                               True, torch.device("cpu"))
+        return compile_frozen_on_cpu(lambda x: linear(x))
 
     x = torch.randn(13, 96, dtype=dtype)
     with torch.inference_mode():

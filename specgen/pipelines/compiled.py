@@ -116,6 +116,13 @@ def _under_settings(compiled, freezing: bool, device: torch.device):
     return call
 
 
+def compile_frozen_on_cpu(fn):
+    """`fn` compiled as a frozen CPU step's parts are (static shapes, weights folded in, each GEMM
+    through the C++ template: cpu_gemm.py), for tests and benchmarks of one piece of a step."""
+    use_cpu_gemm_template()
+    return _under_settings(torch.compile(own_code(fn), fullgraph=True, dynamic=False), True, torch.device("cpu"))
+
+
 class StepFunctions:
     def __init__(self, unified: UnifiedStep, state: StepState, caches: StepCaches,
                  sampling: SamplingTensors, *, device: torch.device, compile: bool,
