@@ -35,10 +35,9 @@ demo: setup
 	$(BIN)/python benchmarks/compare_runs.py outputs/smollm2-eagle3.jsonl outputs/smollm2-ar.jsonl
 
 # The suite is mostly single-threaded Python (tiny models, interpreted Triton, Inductor compiles):
-# one worker per CPU; the few tests that time something run afterwards, alone.
+# one worker per CPU. No test times anything (speed is bench's job), so none needs the machine alone.
 test: setup
-	$(BIN)/python -m pytest -q -n auto --dist worksteal -m "not serial"
-	$(BIN)/python -m pytest -q -m serial
+	$(BIN)/python -m pytest -q -n auto --dist worksteal
 
 clean:
 	rm -rf $(VENV) outputs

@@ -12,12 +12,15 @@ configurations, `generate` ran at 14.1 tok/s where a fresh process gave 28.5-30.
 2 threads), which made specgen look twice as fast against it as it is. `HFProcess` runs the
 baseline in a child process (`python -m specgen.bench.hf`) that loads the model once and runs each
 request it is sent, so bench still interleaves it with the other configurations; it gets the same
-thread count (the parent waits while it runs).
+thread count (the parent waits while it runs). `HFProcess.about()` reports what the child holds (its
+pid, threads and the specgen modules it loaded: not the models or compiled steps), which is how the
+tests check all this without timing anything: a timed test fails whenever the machine is busy.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -26,6 +29,13 @@ from pathlib import Path
 import torch
 
 from specgen.pipelines.stops import eos_ids_from
+
+
+def process_facts() -> dict:
+    """This process's pid, torch threads and the specgen modules it has loaded (the child: only what
+    this module and the tokenizer need, none of the models or compiled steps)."""
+    loaded = sorted(name for name in sys.modules if name == "specgen" or name.startswith("specgen."))
+    return {"pid": os.getpid(), "threads": torch.get_num_threads(), "specgen_modules": loaded}
 
 
 class HFGenerate:
@@ -87,6 +97,10 @@ class HFProcess:
             raise RuntimeError(f"the transformers baseline process failed: {error}")
         return json.loads(line)
 
+    def about(self) -> dict:
+        """The child's `process_facts()`."""
+        return self._ask({"about": True})
+
     def generate(self, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[int, float]:
         reply = self._ask({"prompts": prompts, "batch": batch, "max_tokens": max_tokens})
         return reply["tokens"], reply["seconds"]
@@ -110,6 +124,8 @@ def main(argv: list[str]) -> None:
         request = json.loads(line)
         if request.get("ready"):
             reply = {"ready": True}
+        elif request.get("about"):
+            reply = process_facts()
         else:
             tokens, seconds = model.generate(request["prompts"], request["batch"], request["max_tokens"])
             reply = {"tokens": tokens, "seconds": seconds}
