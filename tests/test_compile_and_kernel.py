@@ -118,6 +118,40 @@ def test_a_cpu_gemm_row_gets_the_bits_of_a_one_row_gemm_with_four_row_tiles(dtyp
         assert f"constexpr int64_t Mr = {MAX_TILE_ROWS};" in code
 
 
+def test_the_bf16_dot_kernel_sums_as_its_reference_and_gives_each_row_the_bits_of_a_one_row_gemm():
+    """kernels/cpu_bf16_dot.py, where the CPU has AVX512-BF16 and no AMX: the compiled bf16 GEMM runs
+    `vdpbf16ps` and every output is the reference's sum, bit for bit, in the reference's order (odd
+    product of a pair first: an input built so that plain sequential fp32 sums to 0 and this order to
+    1); 13 rows give each row the bits of its 1-row GEMM."""
+    from torch._inductor.utils import run_and_get_code
+
+    from specgen.kernels.cpu_bf16_dot import dot_pairs_reference, supported
+    from specgen.pipelines.compiled import compile_frozen_on_cpu
+
+    if not supported():
+        pytest.skip("no AVX512-BF16 (or AMX present): Inductor's own kernels run")
+    torch.manual_seed(0)
+    # order: per pair (k, k+1) the products are 1 and 2**25, then 1 and -2**25
+    order = torch.nn.Linear(4, 16, bias=False).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        order.weight.copy_(torch.tensor([1.0, 2.0**12, 1.0, 2.0**12]).expand(16, 4))
+    x_order = torch.tensor([[1.0, 2.0**13, 1.0, -2.0**13]], dtype=torch.bfloat16)
+    linear = torch.nn.Linear(2048, 96, bias=False).to(torch.bfloat16).eval()
+    x = torch.randn(13, 2048, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch._dynamo.reset()
+        summed = compile_frozen_on_cpu(lambda v: order(v))(x_order)
+        assert (x_order.float() @ order.weight.float().t())[0, 0] == 0
+        assert torch.equal(summed.float(), dot_pairs_reference(x_order, order.weight))
+        torch._dynamo.reset()
+        many, (code,) = run_and_get_code(compile_frozen_on_cpu(lambda v: linear(v)), x)
+        one_row = compile_frozen_on_cpu(lambda v: linear(v))
+        rows = torch.cat([one_row(x[i:i + 1]) for i in range(13)])
+    assert "_mm512_dpbf16_ps" in code
+    assert torch.equal(many, dot_pairs_reference(x, linear.weight).to(torch.bfloat16))
+    assert torch.equal(many, rows)
+
+
 def test_triton_kernel_inside_the_pipeline_equals_reference(models, monkeypatch):  # noqa: F811
     target, draft = models
     ids = prompts(lengths=(4, 9))

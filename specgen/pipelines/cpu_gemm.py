@@ -35,6 +35,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from specgen.kernels.cpu_bf16_dot import register_bf16_dot_kernel
+
 CPU_FROZEN_SETTINGS = {
     "max_autotune_gemm": True,
     "max_autotune_gemm_backends": "CPP,ATEN",
@@ -97,13 +99,17 @@ def _take_template_without_autotuning() -> None:
 _tiles_chosen = False
 
 
-def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS) -> None:
-    """Install `_template_when_possible` in Inductor's choice selection and narrow its register tiles
-    to `max_tile_rows` rows (None: Inductor's own tiles, for `benchmarks/gemm_rows.py`). Once per
-    process: the first call's tiles stand. Both act only where the C++ template compiles a GEMM."""
+def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS, bf16_dot: bool = True) -> None:
+    """Install `_template_when_possible` in Inductor's choice selection, narrow its register tiles
+    to `max_tile_rows` rows (None: Inductor's own tiles) and, with `bf16_dot`, add the AVX512-BF16
+    micro-kernel (kernels/cpu_bf16_dot.py; off: Inductor's fp32 one, for `benchmarks/gemm_rows.py`).
+    Once per process: the first call's kernels stand. All act only where the C++ template compiles
+    a GEMM."""
     global _tiles_chosen
     _take_template_without_autotuning()
     if not _tiles_chosen:
         _tiles_chosen = True
         if max_tile_rows is not None:
             _narrow_register_tiles(max_tile_rows)
+        if bf16_dot:
+            register_bf16_dot_kernel()
