@@ -1,9 +1,11 @@
 """Time of one compiled CPU GEMM by the number of rows, as the step compiles it (frozen weights,
-Inductor's C++ template, no autotuning, register tiles of at most 4 rows: pipelines/cpu_gemm.py), in
-bf16 and float32; with `--tile-rows 0` the tiles Inductor picks itself; with `--block 4` the rows go
-through GEMMs of at most 4 rows each.
+Inductor's C++ template, no autotuning, register tiles of at most 4 rows: pipelines/cpu_gemm.py;
+bf16 through the AVX512-BF16 kernel where the CPU has it: kernels/cpu_bf16_dot.py), in bf16 and
+float32; with `--tile-rows 0` the tiles Inductor picks itself; with `--no-bf16-dot` Inductor's own
+bf16 kernel (bf16 converted to float32); with `--block 4` the rows go through GEMMs of at most 4 rows
+each.
 
-    python benchmarks/gemm_rows.py --shape 3072 576 --rows 1 2 4 5 8 16 [--tile-rows 0] [--block 4]
+    python benchmarks/gemm_rows.py --shape 3072 576 --rows 1 2 4 5 8 16 [--tile-rows 0] [--no-bf16-dot] [--block 4]
 
 Why: a step's GEMMs have B x (K + 1) rows. On 2 AMD EPYC Zen 4 cores, with Inductor's own tiles (8
 rows on AVX-512), the template's time per row rose past 4 rows (SmolLM2's 3072 x 576 MLP GEMM in
@@ -53,8 +55,10 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=None, help="rows per GEMM (default: all in one)")
     parser.add_argument("--tile-rows", type=int, default=MAX_TILE_ROWS,
                         help="most rows of the AVX-512 micro-kernel's register tiles (0: Inductor's own tiles)")
+    parser.add_argument("--no-bf16-dot", action="store_true",
+                        help="bf16 through Inductor's fp32 micro-kernel, not the AVX512-BF16 one")
     args = parser.parse_args()
-    use_cpu_gemm_template(args.tile_rows or None)
+    use_cpu_gemm_template(args.tile_rows or None, bf16_dot=not args.no_bf16_dot)
     for dtype in (torch.bfloat16, torch.float32):
         linear = torch.nn.Linear(args.shape[1], args.shape[0], bias=False).to(dtype).eval()
         for rows in args.rows:
