@@ -15,7 +15,8 @@ Why: without AMX, Inductor's bf16 GEMM converts both operands to fp32 and multip
 more a step's GEMMs are compute-bound, and a speculative step of 2 rows per slot cost about twice a
 plain one at 8 and 16 slots. `vdpbf16ps` does two multiply-adds per fp32 lane where an FMA does one,
 and reads the weight in bf16 with no conversion. SmolLM2's 3072 x 576 GEMM on 2 AMD EPYC Zen 4
-cores (`python benchmarks/gemm_rows.py`): see the module docstring of pipelines/cpu_gemm.py.
+cores, `python benchmarks/gemm_rows.py --rows 1 4 8 16 32` against `--no-bf16-dot` (Inductor's
+kernel): 109 / 118 / 153 / 238 / 378 us against 135 / 181 / 264 / 410 / 734.
 
 Layout: the template packs the frozen weight in blocks of `block_n` columns, each in VNNI2 order
 (for each pair of k, the columns' two values side by side: one 512-bit load holds 16 columns' pairs);

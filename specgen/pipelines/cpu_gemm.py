@@ -27,7 +27,9 @@ Zen 4 cores, GCC 12, `python benchmarks/gemm_rows.py --tile-rows 0`: bf16 160 / 
 160-178 / 234-241 / 395-462 us in bf16 and 171-174 / 252-273 / 423-437 in fp32 (two runs), and at
 1-4 rows they run the same tail code as before. Tiles of 6 x 32 (12 accumulators) ran like 4 x 48;
 4 x 64 (16) and 8 x 48 (24) did not.
-Intel's AMX path (bf16 on Xeons with AMX) is another micro-kernel, left as Inductor chooses it.
+Intel's AMX path (bf16 on Xeons with AMX) is another micro-kernel, left as Inductor chooses it. On
+CPUs with AVX512-BF16 and no AMX (AMD Zen 4), bf16 takes neither: `kernels/cpu_bf16_dot.py`, which
+`use_cpu_gemm_template()` registers, multiplies it in bf16 (the tile sizes above then concern float32).
 """
 
 from __future__ import annotations
