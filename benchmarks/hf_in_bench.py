@@ -51,8 +51,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     args = parser.parse_args()
 
+    from specgen.bench.measure import bench_prompts
     from specgen.checkpoints.tokenizer import load_tokenizer
-    from specgen.data import read_prompts, tokenize_prompt
+    from specgen.data import read_prompts
     from specgen.job import resolve
     from specgen.recipe import load_recipe
 
@@ -62,15 +63,8 @@ def main() -> None:
     folder = resolved.target_folder
     config = json.loads((folder / "config.json").read_text())
     tokenizer = load_tokenizer(folder, config.get("vocab_size"))
-    # the prompts bench takes: the first --limit that fit the KV cache with their answer
-    use_template = recipe.chat_template and tokenizer.chat_template is not None
-    room = recipe.runtime.max_seq_len - args.max_tokens
-    ids = []
-    for record in read_prompts(args.prompts):
-        if record.error is None:
-            tokens = tokenize_prompt(record, tokenizer, use_template, recipe.chat_template_kwargs)
-            if len(tokens) <= room and len(ids) < args.limit:
-                ids.append(tokens)
+    ids, _ = bench_prompts(read_prompts(args.prompts), tokenizer, recipe,
+                           recipe.runtime.max_seq_len - args.max_tokens, args.limit)
     work = Path(tempfile.mkdtemp(prefix="hf_in_bench-"))
     (work / "ids.json").write_text(json.dumps(ids))
     alone_script = textwrap.dedent(ALONE.format(

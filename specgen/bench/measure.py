@@ -161,20 +161,8 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
         raise BenchError(str(err), getattr(err, "exit_code", 1)) from err
     except CheckpointError as err:
         raise BenchError(str(err), exit_code=2) from err
-    use_template = base.chat_template and tokenizer.chat_template is not None
-    # The first `limit` usable prompts that fit every configuration's KV cache with their answer.
     room = min(r.runtime.max_seq_len for r in recipes) - options.max_tokens
-    prompts, skipped = [], 0
-    for record in records:
-        if record.error is not None:
-            continue
-        ids = tokenize_prompt(record, tokenizer, use_template, base.chat_template_kwargs)
-        if len(ids) > room:
-            skipped += 1
-            continue
-        prompts.append(ids)
-        if len(prompts) == options.limit:
-            break
+    prompts, skipped = bench_prompts(records, tokenizer, base, room, options.limit)
     if not prompts:
         raise BenchError(f"no usable prompts in {source} fit runtime.max_seq_len with {options.max_tokens} new tokens")
     if skipped:
@@ -355,6 +343,25 @@ def paired_ratio(samples: list[float], baseline: list[float]) -> float:
     differences a bench is there to show."""
     # samples, baseline: one figure per round -> ratio
     return statistics.median(s / b for s, b in zip(samples, baseline, strict=True))
+
+
+def bench_prompts(records, tokenizer, recipe: Recipe, room: int, limit: int) -> tuple[list[list[int]], int]:
+    """The first `limit` usable prompts of `records` whose tokens (through the chat template when the
+    recipe and tokenizer have one) fit in `room` (the KV cache less the answer), and how many were
+    skipped as too long."""
+    use_template = recipe.chat_template and tokenizer.chat_template is not None
+    prompts, skipped = [], 0
+    for record in records:
+        if record.error is not None:
+            continue
+        ids = tokenize_prompt(record, tokenizer, use_template, recipe.chat_template_kwargs)
+        if len(ids) > room:
+            skipped += 1
+            continue
+        prompts.append(ids)
+        if len(prompts) == limit:
+            break
+    return prompts, skipped
 
 
 def _specgen_runner(recipe: Recipe, resolved, batch: int, options: BenchOptions, prompts, target, tokenizer,
