@@ -30,6 +30,12 @@ Zen 4 cores, GCC 12, `python benchmarks/gemm_rows.py --tile-rows 0`: bf16 160 / 
 Intel's AMX path (bf16 on Xeons with AMX) is another micro-kernel, left as Inductor chooses it. On
 CPUs with AVX512-BF16 and no AMX (AMD Zen 4), bf16 takes neither: `kernels/cpu_bf16_dot.py`, which
 `use_cpu_gemm_template()` registers, multiplies it in bf16 (the tile sizes above then concern float32).
+
+Why the templates are parsed once (`_parse_each_template_once`): Inductor renders the template's C++
+from Jinja sources and parses each source again at every render, for every GEMM of the graph (211
+in SmolLM2's verify step) and for the micro-kernel inside each: 10-11 s of a cold 78 s EAGLE-3
+compile on 2 AMD EPYC Zen 4 cores went to Jinja's parser, paid again by every run (frozen graphs are
+rendered anew each time). The sources are constants and a parsed template renders any arguments.
 """
 
 from __future__ import annotations
@@ -92,6 +98,19 @@ def _narrow_register_tiles(max_rows: int = MAX_TILE_ROWS) -> int:
 
 
 @functools.cache
+def _parse_each_template_once() -> bool:
+    """Memoise Inductor's `KernelTemplate._template_from_string` (source -> parsed Jinja template) by
+    its source. Returns False where Inductor has no such function (its own parsing then stands)."""
+    from torch._inductor.codegen.common import KernelTemplate
+
+    parse = KernelTemplate.__dict__.get("_template_from_string")
+    if not isinstance(parse, staticmethod):
+        return False
+    KernelTemplate._template_from_string = staticmethod(functools.lru_cache(maxsize=256)(parse.__func__))
+    return True
+
+
+@functools.cache
 def _take_template_without_autotuning() -> None:
     from torch._inductor.select_algorithm import add_preprocessing_fn
 
@@ -106,9 +125,10 @@ def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS, bf16_dot: b
     to `max_tile_rows` rows (None: Inductor's own tiles) and, with `bf16_dot`, add the AVX512-BF16
     micro-kernel (kernels/cpu_bf16_dot.py; off: Inductor's fp32 one, for `benchmarks/gemm_rows.py`).
     Once per process: the first call's kernels stand. All act only where the C++ template compiles
-    a GEMM."""
+    a GEMM, and each template source is parsed once per process (`_parse_each_template_once`)."""
     global _tiles_chosen
     _take_template_without_autotuning()
+    _parse_each_template_once()
     if not _tiles_chosen:
         _tiles_chosen = True
         if max_tile_rows is not None:
