@@ -38,7 +38,7 @@ def ms_per_step(method: str, ks: list[int], batch: int, steps: int, compile: boo
     overrides = [f"runtime.batch_size={batch}", "sampling.ignore_eos=true", "train=null",
                  f"runtime.compile={str(compile).lower()}", f"target.dtype={dtype}"]
     if method != "none":
-        overrides += ["draft.num_speculative_tokens=auto", f"draft.max_speculative_tokens={max(ks)}",
+        overrides += ["draft.num_speculative_tokens=auto", f"draft.max_speculative_tokens={max(*ks, 1)}",
                       f"draft.dtype={draft_dtype}"]
         if dummy:
             overrides += ["draft.load_format=dummy", "draft.model=null"]
