@@ -185,8 +185,11 @@ def bench(
     max_tokens: Annotated[int, typer.Option(min=1, help="Max new tokens per prompt (greedy, to EOS).")] = 128,
     baselines: Annotated[str, typer.Option(help="Comma-separated: ar (no draft), hf (transformers generate).")] = "ar,hf",
     repeats: Annotated[int, typer.Option(min=1, help=(
-        "Rounds of timed runs: each runs every configuration once, in the order opposite to the round "
-        "before (an even number cancels drift best)."))] = 2,
+        "Rounds of timed runs: each runs every configuration on every prompt, leg by leg (--chunk), "
+        "each leg in the order opposite to the leg before."))] = 2,
+    chunk: Annotated[int | None, typer.Option(min=1, help=(
+        "Prompts per leg: a round runs every configuration on one leg of prompts before the next, so "
+        "compared runs lie seconds apart (default: max(batch size, 4)); speed-ups pair legs."))] = None,
     ks: Annotated[str, typer.Option(help="Comma-separated K settings to run each recipe with beside its own, "
                                          "e.g. 1,2,3,auto (auto: chosen per step).")] = "",
     output: Annotated[Path | None, typer.Option(help="JSON report (default: outputs/bench-<recipe>.json).")] = None,
@@ -230,7 +233,7 @@ def bench(
     from specgen.bench.measure import BenchError, BenchOptions, run_bench
     from specgen.bench.report import table, write_json, write_png
 
-    options = BenchOptions(prompts, limit, sizes, max_tokens, chosen, repeats, extra_ks, split)
+    options = BenchOptions(prompts, limit, sizes, max_tokens, chosen, repeats, extra_ks, split, chunk)
     out = output or Path("outputs") / f"bench-{paths[0].stem}.json"
     png = plot or out.with_suffix(".png")
     try:

@@ -36,7 +36,7 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
     draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config, draft_vocab_size=200), config)
     result, out = bench(tmp_path, target, {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2},
                         "--limit", "3", "--batch-sizes", "1,2", "--max-tokens", "6", "--repeats", "2",
-                        "--ks", "1,auto")
+                        "--ks", "1,auto", "--chunk", "1")
     assert result.exit_code == 0, result.output
     assert "eagle3 K=2" in result.output and "vs hf" in result.output
     report = json.loads(out.read_text())
@@ -47,6 +47,9 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
     for row in rows:
         assert set(FIELDS) <= row.keys()
         assert len(row["samples"]) == 2 and row["tokens_per_second"] > 0
+        # --chunk 1: at one slot each round ran every configuration prompt by prompt (3 legs); at two
+        # slots a leg is at least a batch, and 3 prompts make one
+        assert len(row["leg_samples"]) == 2 * (3 if row["batch_size"] == 1 else 1)
         assert row["speedup_vs_ar"] > 0 and row["speedup_vs_hf"] > 0
     # each run's figures were printed as it ended: a bench stopped early has shown what it measured
     for row in rows:
@@ -66,10 +69,12 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
     assert len(spec["k_histogram"]) == 3 and spec["k_histogram"][2] == spec["num_drafts"]
     ar = next(r for r in rows if r["config"] == "ar" and r["batch_size"] == 1)
     assert ar["speedup_vs_ar"] == 1.0 and ar["mean_acceptance_length"] is None
-    # speed-ups pair the runs of one round (bench/measure.py: paired_ratio)
-    ar_beside = next(r for r in rows if r["config"] == "ar" and r["batch_size"] == spec["batch_size"])
-    paired = [s / a for s, a in zip(spec["samples"], ar_beside["samples"])]
-    assert spec["speedup_vs_ar"] == pytest.approx(statistics.median(paired))
+    # speed-ups pair the runs of one leg (bench/measure.py: paired_ratio)
+    for spec in (r for r in rows if r["config"] == "eagle3 K=2"):
+        ar_beside = next(r for r in rows if r["config"] == "ar" and r["batch_size"] == spec["batch_size"])
+        paired = [s / a for s, a in zip(spec["leg_samples"], ar_beside["leg_samples"], strict=True)]
+        assert spec["speedup_vs_ar"] == pytest.approx(statistics.median(paired))
+    assert "batch 1: eagle3 K=2, run 2 of 2, prompts 3-3" in result.output
     png = out.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -113,6 +118,18 @@ def test_hf_baseline_is_transformers_in_a_fresh_process_with_bench_threads(tmp_p
     alone = hf.HFGenerate(target, torch.device("cpu"), torch.float32, False, tokenizer)
     for _, prompts, batch, max_tokens, tokens in asked:
         assert alone.generate(prompts, batch, max_tokens)[0] == tokens
+
+
+def test_a_round_runs_its_prompts_in_legs_of_at_least_a_batch():
+    from specgen.bench.measure import prompt_legs
+
+    assert prompt_legs(16, 1) == [(0, 4), (4, 8), (8, 12), (12, 16)]      # default: max(batch, 4)
+    assert prompt_legs(16, 8) == [(0, 8), (8, 16)]
+    assert prompt_legs(16, 16) == [(0, 16)]
+    assert prompt_legs(10, 1, 4) == [(0, 4), (4, 10)]       # a short remainder joins the last leg
+    assert prompt_legs(3, 1, 1) == [(0, 1), (1, 2), (2, 3)]
+    assert prompt_legs(3, 2, 1) == [(0, 3)]                 # never shorter than a batch
+    assert prompt_legs(3, 8) == [(0, 3)]
 
 
 def test_rounds_alternate_their_order_and_speedups_pair_runs_of_one_round():

@@ -7,8 +7,13 @@ Contract: `run_bench(recipes, options)` measures, on the same prompts, weights a
 - `hf`: transformers' `generate` on the same weights, in a process of its own (bench/hf.py).
 Per batch size, every configuration first runs once untimed (warm-up: compilation, caches; its wall
 time is reported as what a user's first job pays), then the timed runs are INTERLEAVED (config A,
-B, C, C, B, A, ...: `round_order`) `repeats` times, so drift of the machine's speed hits all alike;
-throughputs are medians, speed-ups the median of each round's ratio (`paired_ratio`). Acceptance
+B, C, C, B, A, ...: `round_order`) `repeats` times, so drift of the machine's speed hits all alike.
+Each round runs the prompts in legs of `chunk` prompts (`prompt_legs`; default max(batch, 4)), every
+configuration in turn on one leg before the next leg: the runs a ratio compares then lie seconds
+apart, not a whole round (ten configurations of 16 prompts at one slot made rounds of ~2 minutes,
+and this VM's slow spells, shorter than that, hit one configuration of a round and not another).
+Throughputs are medians over rounds (a round's tokens over its seconds), speed-ups the median of
+each leg's ratio (`paired_ratio`). Acceptance
 statistics (vLLM's definitions) add up over the timed runs. The time split of a step comes from one
 more run of an eager twin of each configuration with a `PhaseTimer` (pipelines/phases.py): compiled
 steps cannot be split without breaking their graph.
@@ -60,13 +65,14 @@ class BenchOptions:
     repeats: int = 2
     ks: tuple[int | str, ...] = ()        # more K settings per recipe (ints, "auto")
     split: bool = True                    # the eager twins' time split of a step
+    chunk: int | None = None              # prompts per leg of a round (None: max(batch, 4); prompt_legs)
 
 
 @dataclass(slots=True)
 class Measurement:
     config: str
     batch_size: int
-    samples: list[float]                  # tokens/s of each timed run
+    samples: list[float]                  # tokens/s of each round (its legs' tokens over their seconds)
     output_tokens: int                    # per run
     warmup_seconds: float
     compiled: bool | None
@@ -79,6 +85,7 @@ class Measurement:
     policy: dict | None = None            # auto: the policy's estimates after the last round (its summary)
     speedup_vs_ar: float | None = None
     speedup_vs_hf: float | None = None
+    leg_samples: list[float] = field(default_factory=list)   # tokens/s of each leg, in run order
 
     @property
     def tokens_per_second(self) -> float:
@@ -273,33 +280,47 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                                              shares_runner_of=lead if lead != name else None)
             status(f"batch {batch}: {name} warmed up in {measurements[name].warmup_seconds:.1f} s")
         measurements = {name: measurements[name] for name, _, _ in configs}   # the configs' order
+        legs = prompt_legs(len(prompts), batch, options.chunk)
         for repeat in range(options.repeats):
-            for name, recipe, _ in round_order(configs, repeat):   # interleaved: see round_order
-                status(f"batch {batch}: {name}, run {repeat + 1} of {options.repeats}")
+            done = {name: [0, 0.0] for name, _, _ in configs}          # a round's tokens and seconds
+            for leg, (a, b) in enumerate(legs):
+                for name, recipe, _ in round_order(configs, repeat * len(legs) + leg):   # see round_order
+                    part = f", prompts {a + 1}-{b}" if len(legs) > 1 else ""
+                    status(f"batch {batch}: {name}, run {repeat + 1} of {options.repeats}{part}")
+                    m = measurements[name]
+                    _reset_peak_memory(resolved.device)
+                    if recipe is None:
+                        tokens, seconds = runners[name].generate(prompts[a:b], batch, options.max_tokens)
+                    else:
+                        runners[name].use_policy(policies[name])
+                        totals, seconds = _run_specgen(runners[name], prompts[a:b], options.max_tokens,
+                                                       f"r{repeat}-{leg}")
+                        tokens = totals.output_tokens
+                        steps[name].append((totals.steps, totals.step_seconds))
+                        if totals.spec.num_speculative_tokens:
+                            if counters[name] is None:  # a fixed K on a shared runner counts its own K
+                                k = recipe.draft.num_speculative_tokens
+                                counters[name] = SpecCounters(int(k) if isinstance(k, int) else 0)
+                            counters[name].merge(totals.spec.narrowed(counters[name].num_speculative_tokens))
+                    m.leg_samples.append(tokens / seconds)
+                    done[name][0] += tokens
+                    done[name][1] += seconds
+                    m.peak_memory_bytes = max(m.peak_memory_bytes or 0, _peak_memory(resolved.device))
+            for name, _, _ in configs:
                 m = measurements[name]
-                _reset_peak_memory(resolved.device)
-                figures = ""
-                if recipe is None:
-                    tokens, seconds = runners[name].generate(prompts, batch, options.max_tokens)
-                else:
-                    runners[name].use_policy(policies[name])
-                    totals, seconds = _run_specgen(runners[name], prompts, options.max_tokens, f"r{repeat}")
-                    tokens = totals.output_tokens
-                    steps[name].append((totals.steps, totals.step_seconds))
-                    if totals.spec.num_speculative_tokens:
-                        if counters[name] is None:      # a fixed K on a shared runner counts its own K
-                            k = recipe.draft.num_speculative_tokens
-                            counters[name] = SpecCounters(int(k) if isinstance(k, int) else 0)
-                        counters[name].merge(totals.spec.narrowed(counters[name].num_speculative_tokens))
-                    figures = f", {1000 * totals.step_seconds / max(1, totals.steps):.2f} ms a step"
-                    if totals.spec.num_drafts:
-                        figures += f", acceptance length {totals.spec.mean_acceptance_length:.2f}"
+                tokens, seconds = done[name]
                 m.samples.append(tokens / seconds)
-                # each run's figures as it ends: a bench stopped early (a time limit, Ctrl-C) has
+                m.output_tokens = tokens
+                figures = ""
+                rounds = steps[name][-len(legs):] if steps[name] else []
+                if rounds:
+                    n = sum(k for k, _ in rounds)
+                    figures = f", {1000 * sum(t for _, t in rounds) / max(1, n):.2f} ms a step"
+                if counters[name] is not None and counters[name].num_drafts:
+                    figures += f", acceptance length {counters[name].mean_acceptance_length:.2f}"
+                # each round's figures as it ends: a bench stopped early (a time limit, Ctrl-C) has
                 # still shown what it measured
                 status(f"batch {batch}: {name}, run {repeat + 1}: {tokens / seconds:.1f} tok/s{figures}")
-                m.output_tokens = tokens
-                m.peak_memory_bytes = max(m.peak_memory_bytes or 0, _peak_memory(resolved.device))
     finally:
         for runner in {id(r): r for r in runners.values()}.values():   # before the eager twins
             runner.close()
@@ -316,15 +337,26 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             m.split_ms = _time_split(recipe, checkpoints, batch, options, prompts, target, tokenizer,
                                      build_runner)
     ar, hf = measurements.get("ar"), measurements.get("hf")
-    per_step = {name: [s / max(1, n) for n, s in rounds] for name, rounds in steps.items()}   # s a step, by round
+    per_step = {name: [s / max(1, n) for n, s in legs] for name, legs in steps.items()}   # s a step, by leg
     for m in measurements.values():
         if ar is not None:
-            m.speedup_vs_ar = paired_ratio(m.samples, ar.samples)
+            m.speedup_vs_ar = paired_ratio(m.leg_samples, ar.leg_samples)
             if per_step[m.config] and per_step["ar"]:
                 m.step_ratio = paired_ratio(per_step[m.config], per_step["ar"])
         if hf is not None:
-            m.speedup_vs_hf = paired_ratio(m.samples, hf.samples)
+            m.speedup_vs_hf = paired_ratio(m.leg_samples, hf.leg_samples)
     return list(measurements.values())
+
+
+def prompt_legs(prompts: int, batch: int, chunk: int | None = None) -> list[tuple[int, int]]:
+    """[start, end) of each leg of a round: `chunk` prompts (default max(batch, 4)), at least a batch
+    (a leg shorter than the batch would leave slots idle that a real job fills); the last leg takes
+    a remainder shorter than a leg."""
+    size = max(batch, chunk or max(batch, 4))
+    starts = list(range(0, prompts, size))
+    if len(starts) > 1 and prompts - starts[-1] < size:
+        starts.pop()
+    return [(a, starts[i + 1] if i + 1 < len(starts) else prompts) for i, a in enumerate(starts)]
 
 
 def round_order(configs: list, repeat: int) -> list:
@@ -337,11 +369,11 @@ def round_order(configs: list, repeat: int) -> list:
 
 def paired_ratio(samples: list[float], baseline: list[float]) -> float:
     """A configuration's figure over a baseline's (tokens/s: its speed-up; ms per step: its step
-    ratio): the median over rounds of the ratio of their runs in that round (run r of each is in
-    round r). Pairing compares runs made seconds apart instead of medians taken across the whole
+    ratio): the median over legs of the ratio of their runs of that leg (run r of each is in leg
+    r: the same prompts, seconds apart). Pairing compares runs made seconds apart instead of medians taken across the whole
     bench: on a shared 2-core VM a run's speed drifts 10-40% over minutes, more than the
     differences a bench is there to show."""
-    # samples, baseline: one figure per round -> ratio
+    # samples, baseline: one figure per leg -> ratio
     return statistics.median(s / b for s, b in zip(samples, baseline, strict=True))
 
 
