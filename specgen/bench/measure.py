@@ -312,12 +312,12 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                 m.samples.append(tokens / seconds)
                 m.output_tokens = tokens
                 figures = ""
-                rounds = steps[name][-len(legs):] if steps[name] else []
-                if rounds:
-                    n = sum(k for k, _ in rounds)
-                    figures = f", {1000 * sum(t for _, t in rounds) / max(1, n):.2f} ms a step"
+                this_round = steps[name][-len(legs):] if steps[name] else []    # its legs' (steps, s)
+                if this_round:
+                    n = sum(k for k, _ in this_round)
+                    figures = f", {1000 * sum(t for _, t in this_round) / max(1, n):.2f} ms a step"
                 if counters[name] is not None and counters[name].num_drafts:
-                    figures += f", acceptance length {counters[name].mean_acceptance_length:.2f}"
+                    figures += f", acceptance length {counters[name].mean_acceptance_length:.2f} so far"
                 # each round's figures as it ends: a bench stopped early (a time limit, Ctrl-C) has
                 # still shown what it measured
                 status(f"batch {batch}: {name}, run {repeat + 1}: {tokens / seconds:.1f} tok/s{figures}")
@@ -360,19 +360,20 @@ def prompt_legs(prompts: int, batch: int, chunk: int | None = None) -> list[tupl
 
 
 def round_order(configs: list, repeat: int) -> list:
-    """The order of the configurations' timed runs in round `repeat`: forwards in even rounds,
-    backwards in odd ones (A B C, C B A, ...). Each round runs every configuration once, so drift
-    slower than a round hits all alike; alternating the order cancels drift that is steady through
-    a round too (with one order, the config run last in every round always ran latest)."""
+    """The order of the configurations' timed runs in leg `repeat` (counted over all rounds):
+    forwards in even legs, backwards in odd ones (A B C, C B A, ...). Each leg runs every
+    configuration once, so drift slower than a leg hits all alike; alternating the order cancels
+    drift that is steady through a leg too (with one order, the config run last in every leg always
+    ran latest)."""
     return list(configs) if repeat % 2 == 0 else list(reversed(configs))
 
 
 def paired_ratio(samples: list[float], baseline: list[float]) -> float:
     """A configuration's figure over a baseline's (tokens/s: its speed-up; ms per step: its step
     ratio): the median over legs of the ratio of their runs of that leg (run r of each is in leg
-    r: the same prompts, seconds apart). Pairing compares runs made seconds apart instead of medians taken across the whole
-    bench: on a shared 2-core VM a run's speed drifts 10-40% over minutes, more than the
-    differences a bench is there to show."""
+    r: the same prompts, seconds apart). Pairing compares runs made seconds apart instead of
+    medians taken across the whole bench: on a shared 2-core VM a run's speed drifts 10-40% over
+    minutes, more than the differences a bench is there to show."""
     # samples, baseline: one figure per leg -> ratio
     return statistics.median(s / b for s, b in zip(samples, baseline, strict=True))
 

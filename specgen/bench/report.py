@@ -21,8 +21,8 @@ from rich.table import Table
 
 from specgen.bench.measure import BenchReport, Measurement
 
-FIELDS = ("config", "batch_size", "tokens_per_second", "samples", "leg_samples", "speedup_vs_ar", "speedup_vs_hf",
-          "mean_acceptance_length", "draft_acceptance_rate", "acceptance_rate_per_position",
+FIELDS = ("config", "batch_size", "tokens_per_second", "samples", "leg_samples", "speedup_vs_ar",
+          "speedup_vs_hf", "mean_acceptance_length", "draft_acceptance_rate", "acceptance_rate_per_position",
           "acceptance_histogram", "num_drafts", "k_histogram", "step_ms", "step_ratio", "split_ms",
           "warmup_seconds", "shares_runner_of", "compiled", "peak_memory_bytes", "output_tokens")
 
@@ -31,7 +31,8 @@ def measurement_dict(m: Measurement) -> dict:
     spec = m.spec or {}
     return {
         "config": m.config, "batch_size": m.batch_size, "tokens_per_second": m.tokens_per_second,
-        "samples": m.samples, "leg_samples": m.leg_samples, "speedup_vs_ar": m.speedup_vs_ar, "speedup_vs_hf": m.speedup_vs_hf,
+        "samples": m.samples, "leg_samples": m.leg_samples, "speedup_vs_ar": m.speedup_vs_ar,
+        "speedup_vs_hf": m.speedup_vs_hf,
         "mean_acceptance_length": spec.get("mean_acceptance_length"),
         "draft_acceptance_rate": spec.get("draft_acceptance_rate"),
         "acceptance_rate_per_position": spec.get("acceptance_rate_per_position"),
