@@ -73,7 +73,7 @@ class Measurement:
     config: str
     batch_size: int
     samples: list[float]                  # tokens/s of each round (its legs' tokens over their seconds)
-    output_tokens: int                    # per run
+    output_tokens: int                    # per round (every prompt once)
     warmup_seconds: float
     compiled: bool | None
     spec: dict | None = None              # SpecCounters.to_dict() over the timed runs
@@ -337,7 +337,7 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             m.split_ms = _time_split(recipe, checkpoints, batch, options, prompts, target, tokenizer,
                                      build_runner)
     ar, hf = measurements.get("ar"), measurements.get("hf")
-    per_step = {name: [s / max(1, n) for n, s in legs] for name, legs in steps.items()}   # s a step, by leg
+    per_step = {name: [s / max(1, n) for n, s in runs] for name, runs in steps.items()}   # s a step, by leg
     for m in measurements.values():
         if ar is not None:
             m.speedup_vs_ar = paired_ratio(m.leg_samples, ar.leg_samples)
