@@ -217,17 +217,19 @@ out = {{}}
 runner.run([Request(f"p{{i}}", [5, 6, 7 + i], 8, i) for i in range(3)], lambda c: out.__setitem__(c.id, c.token_ids))
 print(json.dumps(out))
 """)
-    env = dict(os.environ, SPECGEN_CACHE=str(tmp_path / "cache"),
-               PYTHONPATH=os.pathsep.join(sys.path))
 
-    def tokens(seed, compile):
-        run = subprocess.run([sys.executable, str(script), str(seed), str(int(compile))], env=env,
+    def tokens(seed, cache):
+        env = dict(os.environ, SPECGEN_CACHE=str(tmp_path / cache), PYTHONPATH=os.pathsep.join(sys.path))
+        run = subprocess.run([sys.executable, str(script), str(seed), "1"], env=env,
                              capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-2000:]
         return json.loads(run.stdout.strip().splitlines()[-1])
 
-    first, second = tokens(1, True), tokens(2, True)          # the second hits the disk cache
-    assert first == tokens(1, False) and second == tokens(2, False) and first != second
+    # The second model's run finds the first's compiled code in the shared cache; it must decode as
+    # the same model compiled from an empty cache does (compiled code against compiled code: eager
+    # decoding computes other bits, and a tiny random model has near-ties that flip on them).
+    first, second = tokens(1, "shared"), tokens(2, "shared")
+    assert second == tokens(2, "own") and first != second
 
 
 def test_compiled_speculative_step_equals_plain_decoding_in_bfloat16(tmp_path):

@@ -9,7 +9,9 @@ Contract:
     else is needed and one compiled step serves every length;
   * reference path (CPU, tests): SDPA over the first `kv_len` cache positions with a causal mask
     built once per forward; `key_index` (an arange whose LENGTH is kv_len) carries that bound, so a
-    compiled step can take it as a dynamic size instead of compiling once per length.
+    compiled step can take it as a dynamic size instead of compiling once per length. A compiled
+    step's row-invariant attention takes the C++ kernel of kernels/cpu_attention.py instead (same
+    contract, same bound).
 - `attend(q, k, v, cache, layer, batch)` writes the new K/V at their positions, then attends.
 Nothing here synchronises with the host.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.kernels import attention as kernel
+from specgen.kernels import cpu_attention
 
 
 class KVCache:
@@ -96,6 +99,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
     rows = batch.cache_rows(q.shape[0], q.device)
     cache.write(layer, rows, batch.positions, k, v)
     if not batch.use_kernel:
+        if (batch.row_invariant and batch.rows is None and torch.compiler.is_compiling()
+                and cpu_attention.supports(q, cache.k[layer], cache.v[layer])):
+            # compiled CPU step: the C++ kernel keeps the reference's row invariance and reads each
+            # key once for all the rows of its KV head (kernels/cpu_attention.py)
+            return torch.ops.specgen.cpu_decode_attention(
+                q, cache.k[layer], cache.v[layer], batch.positions, batch.key_index,
+                scale if scale is not None else q.shape[-1] ** -0.5)
         return kernel.attention_reference(q, cache.k[layer], cache.v[layer], batch.rows, batch.mask,
                                           scale, batch.row_invariant)
     scale = scale if scale is not None else q.shape[-1] ** -0.5
