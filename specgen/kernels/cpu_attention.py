@@ -255,7 +255,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      key_index: torch.Tensor, scale: float) -> torch.Tensor:
     # q: [B, T, Hq, D]; caches: [S, Hkv, L, D]; positions: [B, T]; key_index: [kv_len] -> [B, T, Hq, D]
     B, T, Hq, D = q.shape
-    q, positions = q.contiguous(), positions.contiguous()
+    q, positions = q.contiguous(), positions.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     _kernel(q.dtype, k_cache.dtype, D)(q, k_cache, v_cache, positions, out, B, T, Hq, k_cache.shape[1],
                                        k_cache.shape[2], min(key_index.shape[0], k_cache.shape[2]), scale)
