@@ -18,17 +18,19 @@ plain step computes it. Every sum has a fixed order that only the row's own leng
 - keys are split in chunks of CHUNK positions from 0 (a constant), each chunk's softmax partial
   (max, sum of exp, exp-weighted values summed in key order) computed alone, and the chunks merged
   in order (a row of one chunk: scaled by exp(0) = 1, exact);
-- the vector width, tile shapes and threads change which rows or keys are computed together, never
-  the order of one row's sums.
+- tile shapes and threads change which rows or keys are computed together, never the order of one
+  row's sums (the vector width, which shapes the exp-sum's lanes, is the machine's, as for every
+  compiled kernel: plain and speculative jobs on one machine run the same binary).
 
 Why a kernel: Inductor compiled the same contract written as broadcast sums into loops over each
 (query row, key) pair: each key re-read and converted per query row, a horizontal vector sum per
 score, the query's rotary recomputed per key. Its cost grew with every row verified: SmolLM2, bf16,
-one slot, 1,216 cached positions, 2 AMD EPYC Zen 4 cores, per layer: 90 us for 1 row per slot and
-240 us for 3 (verify of K = 2). This kernel converts each key and value once for all the query
-rows of its KV head (GQA), transposes the keys of a chunk so a score is a vertical chain (no
-horizontal sum), computes 4 query rows x 32 keys per register tile, and spreads (slot, KV head,
-chunk) over the threads: 59 and 111 us there. Built once per (dtypes, D) on first use, by Inductor's
+one slot, 1,216 cached positions, 2 AMD EPYC Zen 4 cores, one layer's attention compiled alone:
+117 us a call for 1 row per slot and 268 us for 3 (verify of K = 2; some 27 us of each are the
+compiled call itself). This kernel converts each key and value once for all the query rows of its
+KV head (GQA), transposes the keys of a chunk so a score is a vertical chain (no horizontal sum),
+computes 4 query rows x 2 vectors of keys per register tile, and spreads (slot, KV head, chunk)
+over the threads: 62 and 114 us a call there. Built once per (dtypes, D) on first use, by Inductor's
 C++ toolchain and flags (its cache, the CPU's vector ISA), so it needs nothing a compiled CPU step
 does not already need.
 """
@@ -246,6 +248,7 @@ def _kernel(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int):
 def supports(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether `decode_attention` takes these inputs (else the caller keeps the PyTorch reference)."""
     return (q.device.type == "cpu" and q.dtype in _CTYPE and k_cache.dtype in _CTYPE
+            and k_cache.shape[0] >= q.shape[0]
             and v_cache.dtype == k_cache.dtype and k_cache.shape == v_cache.shape
             and k_cache.shape[-1] == q.shape[-1] and q.shape[2] % k_cache.shape[1] == 0
             and k_cache.is_contiguous() and v_cache.is_contiguous())
