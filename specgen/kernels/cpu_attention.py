@@ -237,9 +237,9 @@ extern "C" void kernel(const QT* q, const KT* kc, const KT* vc, const int64_t* p
 def _kernel(q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int):
     from torch._inductor.codecache import CppPythonBindingsCodeCache
 
-    source = (_SOURCE.replace("{{D}}", str(head_dim)).replace("{{CHUNK}}", str(CHUNK))
-              .replace("{{QT}}", _CTYPE[q_dtype]).replace("{{KT}}", _CTYPE[kv_dtype]))
     qt, kt = _CTYPE[q_dtype], _CTYPE[kv_dtype]
+    source = (_SOURCE.replace("{{D}}", str(head_dim)).replace("{{CHUNK}}", str(CHUNK))
+              .replace("{{QT}}", qt).replace("{{KT}}", kt))
     argtypes = [f"const {qt}*", f"const {kt}*", f"const {kt}*", "const int64_t*", f"{qt}*",
                 "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "int64_t", "float"]
     return CppPythonBindingsCodeCache.load_pybinding(argtypes, source)
