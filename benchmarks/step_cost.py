@@ -3,11 +3,10 @@
 One step drafts k tokens per slot and verifies k + 1. This script times steps of each shipped draft
 (the recipes' own checkpoints) at every K asked, and of plain decoding (`draft.method: none`), on the
 same target, prompts and batch size, in one process, and prints the ratio: the acceptance length a
-draft needs to break even at that K, and the median time of the step's two compiled calls, the
-target's verify and the draft (meaningful on CPU, where a call returns when its work is done; on
-CUDA it returns once the work is queued). Every K of a draft runs on one compiled step (verify is
-one graph for every number of rows; each draft variant is compiled once), as
-`num_speculative_tokens: auto` runs it. `--dummy` swaps in random-init drafts of the published
+draft needs to break even at that K, and the median time of the step's call (compiled: one call,
+the draft and the verify of k + 1 rows; meaningful on CPU, where a call returns when its work is
+done; on CUDA it returns once the work is queued), the rest of a step being the host's. Every K of
+a draft runs on one runner, each variant compiled once, as `num_speculative_tokens: auto` runs it. `--dummy` swaps in random-init drafts of the published
 layouts instead (EAGLE-3's then has the target's whole vocabulary as its head, where the shipped
 draft has 8,192 rows).
 
@@ -33,8 +32,8 @@ RECIPES = {"none": "recipes/smollm2-ar.yaml", "eagle3": "recipes/smollm2-eagle3.
 
 def ms_per_step(method: str, ks: list[int], batch: int, steps: int, compile: bool, dummy: bool,
                 dtype: str = "auto", draft_dtype: str = "auto") -> dict[int, tuple[float, float, float]]:
-    """{k: (wall ms per step, median ms of its verify call, of its draft call)} for a runner of
-    `method` (k = 0 only for `none`)."""
+    """{k: (wall ms per step, median ms of its step's call)} for a runner of `method` (k = 0 only
+    for `none`)."""
     overrides = [f"runtime.batch_size={batch}", "sampling.ignore_eos=true", "train=null",
                  f"runtime.compile={str(compile).lower()}", f"target.dtype={dtype}"]
     if method != "none":
@@ -59,28 +58,31 @@ def ms_per_step(method: str, ks: list[int], batch: int, steps: int, compile: boo
         go(f"warm{k}-", steps)  # same lengths as the timed run: every compiled variant is built here
         calls.clear()
         step = go(f"timed{k}-", steps)
-        out[k] = (step * 1000, _median_ms(calls[("verify", k + 1)]), _median_ms(calls[("draft", k)]))
+        out[k] = (step * 1000, _median_ms(calls[k]))
     runner.close()
     return out
 
 
-def _time_calls(functions) -> dict[tuple[str, int], list[float]]:
-    """Record the wall time of every verify and draft call of `functions` (a StepFunctions)."""
-    calls: dict[tuple[str, int], list[float]] = defaultdict(list)
-    verify, draft = functions.verify, functions.draft
+def _time_calls(functions) -> dict[int, list[float]]:
+    """Record the wall time of every step call of `functions` (a StepFunctions), by k: the plain
+    step's verify (k = 0) and each variant's step."""
+    calls: dict[int, list[float]] = defaultdict(list)
+    plain, step = functions.verify, functions.step
 
-    def timed_verify(kv_len, t):
+    def timed_plain(kv_len, t):
         start = time.perf_counter()
-        out = verify(kv_len, t)
-        calls[("verify", t)].append(time.perf_counter() - start)
+        out = plain(kv_len, t)
+        if t == 1:
+            calls[0].append(time.perf_counter() - start)
         return out
 
-    def timed_draft(kv_len, window, k, *, eager=False):
+    def timed_step(kv_len, window, k):
         start = time.perf_counter()
-        draft(kv_len, window, k, eager=eager)
-        calls[("draft", k)].append(time.perf_counter() - start)
+        out = step(kv_len, window, k)
+        calls[k].append(time.perf_counter() - start)
+        return out
 
-    functions.verify, functions.draft = timed_verify, timed_draft
+    functions.verify, functions.step = timed_plain, timed_step
     return calls
 
 
@@ -100,13 +102,12 @@ def main() -> None:
     parser.add_argument("--dummy", action="store_true", help="random-init drafts instead of the shipped ones")
     args = parser.parse_args()
     for batch in args.batch_sizes:
-        base, verify, _ = ms_per_step("none", [0], batch, args.steps, args.compile, args.dummy, args.dtype)[0]
-        print(f"batch {batch}: none {base:.1f} ms (verify {verify:.1f})", flush=True)
+        base, call = ms_per_step("none", [0], batch, args.steps, args.compile, args.dummy, args.dtype)[0]
+        print(f"batch {batch}: none {base:.1f} ms (call {call:.1f})", flush=True)
         for method in args.methods:
             times = ms_per_step(method, args.ks, batch, args.steps, args.compile, args.dummy, args.dtype,
                                 args.draft_dtype)
-            row = ", ".join(f"K={k} {t:.1f} ms ({t / base:.2f}x; verify {v:.1f}, draft {d:.1f})"
-                            for k, (t, v, d) in times.items())
+            row = ", ".join(f"K={k} {t:.1f} ms ({t / base:.2f}x; call {c:.1f})" for k, (t, c) in times.items())
             print(f"batch {batch}: {method} {row}", flush=True)
 
 

@@ -4,8 +4,8 @@
 k (the draft of k tokens and the verify of k + 1 rows a slot) from eager times (pipelines/profile.py),
 with a floor: the plain step's verify plus the variant's draft. This script runs that warm-up for a
 recipe, then compiles the variants asked and times them the way the profile does (median of a few
-calls, all slots inactive), and prints estimate, floor and compiled time per variant, beside the
-eager and compiled times of the verify alone.
+calls, all slots inactive), and prints estimate, floor and compiled time per variant (its draft and
+verify, one graph), beside the eager time of its verify alone.
 
     python benchmarks/variant_estimates.py recipes/smollm2-mtp.yaml --ks 1 2 [--batch-size 1]
         [--dtype float32]
@@ -56,16 +56,13 @@ def main() -> None:
         print(f"{args.recipe}, batch {width}, {args.dtype}, {torch.get_num_threads()} threads")
         print(f"plain step: compiled {1e3 * plain:.1f} ms, eager {1e3 * eager_plain:.1f} ms")
         for k in args.ks:
-            f.draft(kv, k + 1, k)          # compiles
-            f.verify(kv, k + 1)
-            verify = _time(f.device, lambda: f.verify(kv, k + 1), 7)
-            draft = _time(f.device, lambda: f.draft(kv, k + 1, k), 7)
+            f.step(kv, k + 1, k)           # compiles
+            step = _time(f.device, lambda: f.step(kv, k + 1, k), 7)
             eager_verify = _time(f.device, lambda: unified.verify_block(f.state, f.caches, f.sampling, key_index,
                                                                         torch.arange(k + 1, device=f.device)), 3)
             floor = f"{1e3 * floors[k]:.1f}" if floors[k] is not None else "-"
             print(f"k = {k}: estimated {1e3 * estimates[k]:.1f} ms (floor {floor}); compiled "
-                  f"{1e3 * (verify + draft):.1f} ms = verify {1e3 * verify:.1f} + draft {1e3 * draft:.1f}; "
-                  f"eager verify of {k + 1} rows {1e3 * eager_verify:.1f} ms")
+                  f"{1e3 * step:.1f} ms; eager verify of {k + 1} rows {1e3 * eager_verify:.1f} ms")
         runner.state.active.zero_()
 
 

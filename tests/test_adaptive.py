@@ -640,14 +640,14 @@ def compiled_runner(checkpoints, policy) -> Runner:
 
 
 def test_a_job_compiles_only_the_variants_it_can_repay(checkpoints):
-    """Each variant (the draft of k, the verify of k + 1 rows) is compiled once, when first needed:
-    a fixed K never builds the plain step; `auto` builds the plain step, and the variant the card
-    says pays only where the job's tokens repay its compile time."""
+    """Each variant (the draft of k and the verify of k + 1 rows, one graph) is compiled once, when
+    first needed: a fixed K never builds the plain step; `auto` builds the plain step, and the
+    variant the card says pays only where the job's tokens repay its compile time."""
     fixed = compiled_runner(checkpoints, FixedPolicy(2))
     fixed.warm_up()
     functions = fixed.functions
-    assert functions.compiled_ks == {2} and functions.verify_ready(3)
-    assert not functions.verify_ready(1) and not functions.verify_ready(2)
+    assert functions.compiled_ks == {2} and set(functions.compile_seconds) == {("step", 2)}
+    assert not any(functions.verify_ready(t) for t in (1, 2, 3))
 
     def warmed_auto(horizon: int) -> Runner:
         runner = compiled_runner(checkpoints, AdaptivePolicy(3, [0.95] * 3, horizon_tokens=horizon))

@@ -214,7 +214,7 @@ def _family(recipe: Recipe) -> Recipe:
 def plan_shared_runners(configs) -> dict[str, str]:
     """config name -> the config whose runner it runs on (itself, or its family's lead).
 
-    A runner compiles verify once for every T and each draft variant once: fixed K = 1, 2, 3 and
+    A runner compiles each variant k (its draft and verify, one graph) once: fixed K = 1, 2, 3 and
     `auto` of one draft run on ONE runner (the auto one, or the largest K), each with its own policy,
     instead of compiling the same step four times. A fixed K above an auto's K_max keeps its own."""
     lead_of: dict[str, str] = {}

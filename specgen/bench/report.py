@@ -102,8 +102,8 @@ def table(report: BenchReport) -> Table:
                   _k_shares(d["k_histogram"]), step, split_text,
                   f"{m.warmup_seconds:.0f}" + (" +" if m.shares_runner_of else ""))
     if any(m.shares_runner_of for m in report.measurements):
-        t.caption = ("warm-up s \"N +\": N seconds on top of the compiled step it shares with its draft's "
-                     "other K settings (verify compiled once for every K >= 1; each draft variant once)")
+        t.caption = ("warm-up s \"N +\": N seconds on top of the runner it shares with its draft's other K "
+                     "settings (the model loaded once; each K's step compiled once)")
     return t
 
 

@@ -1,27 +1,29 @@
 """How the runner calls the step's two parts and the prefill: eagerly, or compiled (torch.compile; CUDA graphs).
 
 Contract: `StepFunctions(unified, state, caches, sampling, device=, compile=)` exposes
-`verify(kv_len, t)`, `draft(kv_len, window, k)` and `prefill(batch)` bound to the runner's state,
+`verify(kv_len, t)` (t = 1: the plain step), `step(kv_len, window, k)` (a speculative step: the
+draft of k tokens, then the verify of k + 1 rows) and `prefill(batch)`, bound to the runner's state,
 plus `warm_up(kv_len, prefill_batches, ks, plain)`, which compiles (and on CUDA captures) the
-variants `ks` (and with `plain` the one-row verify) before the first request; it returns the seconds
-that took. Everything else compiles on first use (`compiled_ks`, `verify_ready` and `draft_ready`
-say what exists; `compile_seconds` what each cost), so a job pays only for the variants its policy
-actually runs.
+variants `ks` (and with `plain` the plain step) before the first request; it returns the seconds
+that took. Everything else compiles on first use (`compiled_ks` and `verify_ready` say what exists;
+`compile_seconds` what each cost), so a job pays only for the variants its policy actually runs.
 
 Variants are few by construction:
-- verify is compiled once per number of rows per slot T (`fullgraph`, static): T = 1, the plain
-  decoding step, is the graph `draft.method: none` runs, and a variant k uses the graph of T = k + 1.
-  One graph for every T (its rows a dynamic size) was tried: for T = 1 it ran plain steps 1.6x
-  slower than a plain job (57.8 ms a step against 35.4, 2 AMD EPYC cores); for T >= 3 Inductor's
-  code ran well only near the size it was first compiled at (compiled at T = 5: T = 3 took 30.4 ms
-  against 17.1 for T = 2); and T = 2 took a graph of its own anyway (a contiguity check on the
-  T - 1 draft columns asks whether that size is 1). Static graphs have none of these, and each costs
-  what the plain step's compile costs, paid only by a job that uses that T. The attended key count
+- the plain step (T = 1 row per slot) is the graph `draft.method: none` runs, and variant k is one
+  graph of its own: its draft (the chain unrolled, the window a dynamic size) and the verify of
+  T = k + 1 rows, in one call. One call rather than two (the draft's graph, then the verify's):
+  each call of a compiled function pays its guards, its wrappers and Inductor's settings (`call`
+  below), which measured 0.64 ms of an EAGLE-3 k = 2 step (12.67 -> 12.03 ms against 10.74 for the
+  plain step: SmolLM2, bf16, batch 1, 2 AMD EPYC Zen 4 cores, the same process).
+  The verify's rows are static: one graph for every T (its rows a dynamic size) was tried: for T = 1
+  it ran plain steps 1.6x slower than a plain job (57.8 ms a step against 35.4, 2 AMD EPYC cores);
+  for T >= 3 Inductor's code ran well only near the size it was first compiled at (compiled at
+  T = 5: T = 3 took 30.4 ms against 17.1 for T = 2); and T = 2 took a graph of its own anyway (a
+  contiguity check on the T - 1 draft columns asks whether that size is 1). The attended key count
   is a dynamic size (`key_index`, an arange whose length is the bound): one graph serves every
   length bucket. On CUDA the attention kernel reads per-row lengths, the bound is the allocation,
-  and each (T, bucket) is one CUDA graph (Inductor's `triton.cudagraphs`, state and caches at
-  static addresses);
-- the draft is compiled once per k (its chain is unrolled), its window length a dynamic size;
+  and each (variant, bucket, window) is one CUDA graph (Inductor's `triton.cudagraphs`, state and
+  caches at static addresses);
 - the prefill is compiled with dynamic shapes (rows and padded length), without CUDA graphs, where
   it pays (CUDA); on CPU its large GEMMs gain little from Inductor and it stays eager.
 Inductor's on-disk caches live under the directory the caller gives (`$SPECGEN_CACHE/compiled`), so
@@ -135,8 +137,8 @@ class StepFunctions:
         self._aranges: dict[tuple[str, int], torch.Tensor] = {}
         self._rows = (state, caches, sampling)          # what the step runs over (see use_slots)
         self._verifies: dict[int, object] = {}          # t -> the compiled verify of t rows per slot
-        self._drafts: dict[int, object] = {}            # k -> the compiled draft of k tokens
-        # k, ("verify", t): the first call; ("recompile", k or ("verify", t)): later calls that compiled
+        self._steps: dict[int, object] = {}             # k -> the compiled step of k drafts (draft + verify)
+        # ("step", k), ("verify", t): the first call; ("recompile", that name): later calls that compiled
         self.compile_seconds: dict = {}
         self._prefill = unified.prefill
         self.prefill_compiled = False
@@ -207,15 +209,10 @@ class StepFunctions:
 
     @property
     def compiled_ks(self) -> set[int]:
-        """The variants k > 0 that run without compiling first: the draft of k and the verify of
-        k + 1 rows both exist (every k when steps run eagerly)."""
+        """The variants k > 0 that run without compiling first (every k when steps run eagerly)."""
         if not self.compiled:
             return set(range(1, self.unified.k + 1))
-        return {k for k in self._drafts if k + 1 in self._verifies}
-
-    def draft_ready(self, k: int) -> bool:
-        """Whether the draft of k tokens runs without compiling first."""
-        return not self.compiled or k in self._drafts
+        return set(self._steps)
 
     def verify_ready(self, t: int) -> bool:
         """Whether the verify of t rows per slot runs without compiling first."""
@@ -237,27 +234,38 @@ class StepFunctions:
             fn = self._verifies[t] = self._compile(verify) if self.compiled else verify
         return self._timed(("verify", t), fn, state, caches, sampling, self.key_index(kv_len), rows)
 
-    def draft(self, kv_len: int, window: int, k: int, *, eager: bool = False) -> None:
-        """Propose k tokens per slot after absorbing up to `window` positions. The compiled variant of
-        k is built on its first use; `eager` runs the draft uncompiled (a policy's probe of a k it has
-        not decided to compile)."""
+    def draft(self, kv_len: int, window: int, k: int) -> None:
+        """Propose k tokens per slot after absorbing up to `window` positions, eagerly (a step's
+        first half: `step` runs it, and the warm-up's estimates of variants not compiled)."""
+        state, caches, sampling = self._rows
+        self.unified.draft_block(state, caches, sampling, self.key_index(kv_len), self._window(window), k)
+
+    def step(self, kv_len: int, window: int, k: int) -> torch.Tensor:
+        """Variant k (k >= 1): propose k tokens per slot after absorbing up to `window` positions,
+        then verify the k + 1 pending tokens; returns the step's [B, k+4]. Compiled, one graph (and
+        one call) per k, built on its first use."""
+        if not self.compiled:
+            self.draft(kv_len, window, k)
+            return self.verify(kv_len, k + 1)
         unified = self.unified
         state, caches, sampling = self._rows
-        # at least 2 rows: the window is then never 1, a size compilers treat apart (a row past a
-        # slot's gap is harmless scratch)
-        window = self._arange("window", max(2, min(window, unified.max_window)), dynamic=True)
-        if eager and self.compiled and k not in self._drafts:
-            unified.draft_block(state, caches, sampling, self.key_index(kv_len), window, k)
-            return
-        fn = self._drafts.get(k)
+        fn = self._steps.get(k)
         if fn is None:
-            def draft_k(state, caches, sampling, key_index, window):
-                return unified.draft_block(state, caches, sampling, key_index, window, k)
+            def step_k(state, caches, sampling, key_index, window, rows):
+                unified.draft_block(state, caches, sampling, key_index, window, k)
+                return unified.verify_block(state, caches, sampling, key_index, rows)
 
-            fn = self._drafts[k] = self._compile(draft_k) if self.compiled else draft_k
+            fn = self._steps[k] = self._compile(step_k)
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        self._timed(k, fn, state, caches, sampling, self.key_index(kv_len), window)
+        rows = self._arange("rows", k + 1, dynamic=False)
+        return self._timed(("step", k), fn, state, caches, sampling, self.key_index(kv_len),
+                           self._window(window), rows)
+
+    def _window(self, window: int) -> torch.Tensor:
+        # at least 2 rows: the window is then never 1, a size compilers treat apart (a row past a
+        # slot's gap is harmless scratch)
+        return self._arange("window", max(2, min(window, self.unified.max_window)), dynamic=True)
 
     def _timed(self, name, fn, *args):
         """Call a compiled part; the first call compiles (and on CUDA records), and so does a later
@@ -294,22 +302,20 @@ class StepFunctions:
 
     def warm_up(self, kv_len: int, prefill_batches: list[PrefillBatch], ks: tuple[int, ...] = (),
                 plain: bool = False) -> float:
-        """Compile / capture, before the run, the variants k in `ks` (the draft of k and the verify of
-        k + 1 rows) and with `plain` the plain step (verify of one row); all slots inactive: nothing
-        advances. Returns the seconds that took."""
+        """Compile / capture, before the run, the variants k in `ks` and with `plain` the plain step
+        (the verify of one row); all slots inactive: nothing advances. Returns the seconds that took."""
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
         for batch in prefill_batches:
             self.prefill(batch)
         self.state.active.zero_()
-        ts = sorted({k + 1 for k in ks} | ({1} if plain else set()))
         # CUDA graphs: the first calls run eagerly, the next records; then replays
         for _ in range(3 if self.cuda_graphs else 1):
             for k in ks:
-                self.draft(kv_len, k + 1, k)
-            for t in ts:
-                self.verify(kv_len, t)
+                self.step(kv_len, k + 1, k)
+            if plain:
+                self.verify(kv_len, 1)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start

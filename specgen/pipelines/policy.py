@@ -16,8 +16,8 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   which itself starts from the draft card's held-out figures (`prior`) and forgets old blocks
   (exponential decay), so both follow the job. A position no step has reached yet
   takes the card's figure scaled by how the job's first position compares with the card's.
-- cost(width, k) is the measured wall time of a step that drafted k (the draft call, the verify of
-  k + 1 rows per slot and the host's share), profiled at warm-up and refined online (the median
+- cost(width, k) is the measured wall time of a step that drafted k (its call, the draft and the
+  verify of k + 1 rows per slot, and the host's share), profiled at warm-up and refined online (the median
   of its recent steps: one odd step moves nothing). Acceptance alone cannot choose k: on a CPU verifying
   k + 1 rows costs little more than one, while on a GPU at large batch it costs k + 1 times as much.
   Costs are kept at the machine's pace: a shared VM runs the same step 20-40% slower for minutes at a
@@ -32,7 +32,7 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   them back at today's pace.
 - The k settled on stays while its rate is within SWITCH_MARGIN of the best: estimates that tie
   within their noise would otherwise swap the choice step by step.
-- Variants that do not exist yet (the draft of k tokens or the verify of k + 1 rows not compiled)
+- Variants that do not exist yet (the step of k drafts not compiled)
   cost their compile time: the policy compiles k only when the time it is expected to save over the
   rest of the job (`horizon_tokens`) is at least twice that cost, so a short job never compiles what
   it cannot repay (the warm-up asks the same question of the card's figures). The cost of an
@@ -42,9 +42,8 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   draft) compiles the fewest drafts that could win, as a trial: timed before it is used, and its
   time bounds the floors of larger k.
 - While k = 0 wins, nothing measures acceptance: every `probe_interval` plain steps one step drafts
-  (the best k > 0 that runs without compiling, or an eager draft beside a compiled verify), which
-  also lets the draft catch up on the positions it skipped; a compiled probe drafts the same k once
-  more, a step that is timed (the catch-up is not), so the variant's cost stays measured too. A
+  (the best k > 0 that runs without compiling: probes never compile), which also lets the draft
+  catch up on the positions it skipped; the probe drafts the same k once more, a step that is timed (the catch-up is not), so the variant's cost stays measured too. A
   probe that confirms k = 0 doubles the interval (up to `max_interval`, which keeps every catch-up
   inside the draft's window); a win resets it. A variant whose cost was only estimated (from eager
   times, before it was compiled) runs as soon as it exists until three of its steps are timed. No
@@ -57,8 +56,7 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   (plain decoding's, for k = 1), which otherwise nothing would refresh. A probe up is made only while
   k + 1 could still win: with its next position's acceptance at an upper confidence bound (what
   the job has measured there, plus two standard errors); once the job has seen enough of that
-  position to rule it out, no step pays for drafting it (an uncompiled probe drafts eagerly, at
-  twice a step's cost). Each probe that leaves the choice where it was doubles the interval (up to
+  position to rule it out, no step pays for drafting it. Each probe that leaves the choice where it was doubles the interval (up to
   `max_interval`); a change of choice resets it.
 - A compiled k that no probe may try any more (judged on a few steps timed in a slow spell) is
   re-timed after 4x `max_interval` plain steps, then after twice as many each time (up to 32x): a
@@ -118,8 +116,7 @@ class FixedPolicy:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def choose(self, slots: Sequence[SlotView], available: set[int] | None = None, width: int | None = None,
-               probe_ks: set[int] | None = None) -> int:
+    def choose(self, slots: Sequence[SlotView], available: set[int] | None = None, width: int | None = None) -> int:
         return self.k
 
     def admit(self, slot: int) -> None: ...
@@ -384,9 +381,9 @@ class AdaptivePolicy:
     # -- the decision -------------------------------------------------------------------------------
 
     def choose(self, slots: Sequence[SlotView], available: set[int] | None = None,
-               width: int | None = None, probe_ks: set[int] | None = None) -> int:
+               width: int | None = None) -> int:
         """k for the next step. `available`: draft variants that run without compiling (k = 0 always
-        does); `probe_ks`: variants a probe may use (an eager draft counts; default `available`)."""
+        does); only these are probed."""
         width = width if width is not None else len(slots)
         available = {0} | (available if available is not None else set(range(1, self.k_max + 1)))
         rates = self.last_rates = self.rates(slots, width)
@@ -429,8 +426,7 @@ class AdaptivePolicy:
                 return k
         self._since_probe += 1
         if self._since_probe >= self.probe_interval:
-            probe = self._probe(choice, rates, probe_ks if probe_ks is not None else available, available,
-                                slots, width)
+            probe = self._probe(choice, rates, available, slots, width)
             self._since_probe = 0
             if probe is not None:
                 # a probe that changes nothing waits longer next time; a change of choice resets it
@@ -480,21 +476,19 @@ class AdaptivePolicy:
                   and saved(rate) >= TRIAL_PAYBACK * self.compile_estimate.get(k, float("inf"))]
         return min(trials) if trials else None
 
-    def _probe(self, choice: int, rates: dict[int, float], probe_ks: set[int], available: set[int],
+    def _probe(self, choice: int, rates: dict[int, float], available: set[int],
                slots: Sequence[SlotView], width: int) -> int | None:
         if self.k_max == 0:
             return None
         if choice == 0:
-            # a compiled draft if there is one: an eager probe costs about a step more
-            ks = [k for k in available if k > 0] or [k for k in probe_ks if k > 0]
-            ks = [k for k in ks if self._could_beat_plain(k, slots, width)]
+            ks = [k for k in available if k > 0 and self._could_beat_plain(k, slots, width)]
             if ks:
                 self._ruled_out = 0
                 return max(ks, key=lambda k: rates.get(k, 0.0))
             return self._recheck(rates, available, slots, width)
         up, down = choice + 1, choice - 1
-        can_up = up <= self.k_max and up in probe_ks and self._may_win(up, choice, slots, width)
-        can_down = down == 0 or down in probe_ks
+        can_up = up <= self.k_max and up in available and self._may_win(up, choice, slots, width)
+        can_down = down == 0 or down in available
         # down when the cheaper variant is close (a cost error could flip the choice) every other
         # probe, else every DOWN_PROBE_EVERY-th: a winning k pays little for keeping it measured
         close = rates.get(down, 0.0) >= DOWN_PROBE_CLOSE * rates.get(choice, 0.0)

@@ -329,33 +329,29 @@ class Runner:
     def _issue(self, live: list[int], slots: list[_Slot | None], lengths: list[int], inflight,
                totals: RunTotals) -> tuple[int, int | None]:
         """Choose k, draft k tokens (none for k = 0), verify k + 1 rows per slot. Returns k and, when
-        this step's time is its variant's steady cost, k again (None after a compile or an eager probe)."""
+        this step's time is its variant's steady cost, k again (None after a compile or a catch-up)."""
         functions = self.functions
         views = [SlotView(b, slots[b].tracker.max_tokens - len(slots[b].tracker.token_ids), self.gaps[b])
                  for b in live]
-        ready = functions.compiled_ks
-        # a probe may draft eagerly, never verify uncompiled: the verify decides the tokens, and only
-        # its compiled graph computes them exactly as the plain step does
-        probe_ks = {k for k in range(1, self.unified.k + 1) if functions.verify_ready(k + 1)}
-        k = self.policy.choose(views, ready, self.width, probe_ks)
+        # the policy runs a variant that is not compiled only where it decided compiling it pays
+        # (pipelines/policy.py): the verify decides the tokens, and only the compiled graph computes
+        # them exactly as the plain step does
+        k = self.policy.choose(views, functions.compiled_ks, self.width)
         kv_len = self.kv_bucket(max(lengths[b] for b in live), k)
         steady = True
         compiled_before = functions.compiled_seconds()
         if k > 0:
-            # a probe of a draft that was never compiled runs it eagerly: the policy compiles only
-            # what it decided pays (pipelines/policy.py)
-            probe = self.policy.reason == "probe" and k not in ready
             window = max(self.gaps[b] for b in live)
-            functions.draft(kv_len, window, k, eager=probe)
+            out = functions.step(kv_len, window, k)
             # a draft catching up on plain steps' positions (after a run of k = 0) costs more than
             # drafting does in a run of k (measured: 10.5 ms for 53 positions against 1.9 for 2, EAGLE-3
             # on SmolLM2, fp32): a one-off, not the variant's cost, however short the run (the policy
             # samples a variant's cost where its step follows another's: those were catch-ups).
-            catch_up = window > self.last_k + 1
-            steady = not (probe or catch_up)
+            steady = window <= self.last_k + 1
             for b in range(self.batch_size):
                 self.gaps[b] = 0
-        out = functions.verify(kv_len, k + 1)
+        else:
+            out = functions.verify(kv_len, 1)
         compiled = functions.compiled_seconds() - compiled_before     # a variant built at first use
         totals.compile_seconds += compiled
         steady = steady and compiled == 0
