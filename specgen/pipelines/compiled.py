@@ -1,4 +1,5 @@
-"""How the runner calls the step's two parts and the prefill: eagerly, or compiled (torch.compile; CUDA graphs).
+"""How the runner calls the steps (plain and speculative) and the prefill: eagerly, or compiled (torch.compile;
+CUDA graphs).
 
 Contract: `StepFunctions(unified, state, caches, sampling, device=, compile=)` exposes
 `verify(kv_len, t)` (t = 1: the plain step), `step(kv_len, window, k)` (a speculative step: the
@@ -234,21 +235,15 @@ class StepFunctions:
             fn = self._verifies[t] = self._compile(verify) if self.compiled else verify
         return self._timed(("verify", t), fn, state, caches, sampling, self.key_index(kv_len), rows)
 
-    def draft(self, kv_len: int, window: int, k: int) -> None:
-        """Propose k tokens per slot after absorbing up to `window` positions, eagerly (a step's
-        first half: `step` runs it, and the warm-up's estimates of variants not compiled)."""
-        state, caches, sampling = self._rows
-        self.unified.draft_block(state, caches, sampling, self.key_index(kv_len), self._window(window), k)
-
     def step(self, kv_len: int, window: int, k: int) -> torch.Tensor:
         """Variant k (k >= 1): propose k tokens per slot after absorbing up to `window` positions,
         then verify the k + 1 pending tokens; returns the step's [B, k+4]. Compiled, one graph (and
         one call) per k, built on its first use."""
-        if not self.compiled:
-            self.draft(kv_len, window, k)
-            return self.verify(kv_len, k + 1)
         unified = self.unified
         state, caches, sampling = self._rows
+        if not self.compiled:
+            unified.draft_block(state, caches, sampling, self.key_index(kv_len), self._window(window), k)
+            return self.verify(kv_len, k + 1)
         fn = self._steps.get(k)
         if fn is None:
             def step_k(state, caches, sampling, key_index, window, rows):
