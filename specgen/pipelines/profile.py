@@ -71,8 +71,8 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
                                                          torch.arange(1, device=device)))
         ratio = min(1.0, plain / plain_eager)
         for k in missing:
-            rows, window = torch.arange(k + 1, device=device), torch.arange(k + 1, device=device)
-            draft = eager(lambda k=k, w=window: unified.draft_block(state, caches, sampling, key_index, w, k))
+            rows = torch.arange(k + 1, device=device)          # the draft's window and the verify's rows
+            draft = eager(lambda k=k, r=rows: unified.draft_block(state, caches, sampling, key_index, r, k))
             verify = eager(lambda r=rows: unified.verify_block(state, caches, sampling, key_index, r))
             cost[k] = (verify + draft) * ratio
             # verifying k + 1 rows a slot costs at least what one row does (compiled, on a CPU, about
