@@ -6,9 +6,9 @@ same target, prompts and batch size, in one process, and prints the ratio: the a
 draft needs to break even at that K, and the median time of the step's call (compiled: one call,
 the draft and the verify of k + 1 rows; meaningful on CPU, where a call returns when its work is
 done; on CUDA it returns once the work is queued), the rest of a step being the host's. Every K of
-a draft runs on one runner, each variant compiled once, as `num_speculative_tokens: auto` runs it. `--dummy` swaps in random-init drafts of the published
-layouts instead (EAGLE-3's then has the target's whole vocabulary as its head, where the shipped
-draft has 8,192 rows).
+a draft runs on one runner, each variant compiled once, as `num_speculative_tokens: auto` runs it.
+`--dummy` swaps in random-init drafts of the published layouts instead (EAGLE-3's then has the
+target's whole vocabulary as its head, where the shipped draft has 8,192 rows).
 
     python benchmarks/step_cost.py --batch-sizes 1 8 --ks 1 2 3 [--compile] [--dummy]
         [--dtype float32] [--draft-dtype float32]

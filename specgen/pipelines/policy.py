@@ -43,8 +43,9 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   time bounds the floors of larger k.
 - While k = 0 wins, nothing measures acceptance: every `probe_interval` plain steps one step drafts
   (the best k > 0 that runs without compiling: probes never compile), which also lets the draft
-  catch up on the positions it skipped; the probe drafts the same k once more, a step that is timed (the catch-up is not), so the variant's cost stays measured too. A
-  probe that confirms k = 0 doubles the interval (up to `max_interval`, which keeps every catch-up
+  catch up on the positions it skipped; the probe drafts the same k once more, a step that is
+  timed (the catch-up is not), so the variant's cost stays measured too. A probe that confirms
+  k = 0 doubles the interval (up to `max_interval`, which keeps every catch-up
   inside the draft's window); a win resets it. A variant whose cost was only estimated (from eager
   times, before it was compiled) runs as soon as it exists until three of its steps are timed. No
   probe leaves plain steps for a k that could not win even with its first position at an upper
@@ -56,8 +57,8 @@ step: no draft pass, one row per slot); it reports each slot's verified block wi
   (plain decoding's, for k = 1), which otherwise nothing would refresh. A probe up is made only while
   k + 1 could still win: with its next position's acceptance at an upper confidence bound (what
   the job has measured there, plus two standard errors); once the job has seen enough of that
-  position to rule it out, no step pays for drafting it. Each probe that leaves the choice where it was doubles the interval (up to
-  `max_interval`); a change of choice resets it.
+  position to rule it out, no step pays for drafting it. Each probe that leaves the choice where it
+  was doubles the interval (up to `max_interval`); a change of choice resets it.
 - A compiled k that no probe may try any more (judged on a few steps timed in a slow spell) is
   re-timed after 4x `max_interval` plain steps, then after twice as many each time (up to 32x): a
   catch-up and one timed step where k still could not win at that step's time, else its cost
@@ -116,7 +117,8 @@ class FixedPolicy:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def choose(self, slots: Sequence[SlotView], available: set[int] | None = None, width: int | None = None) -> int:
+    def choose(self, slots: Sequence[SlotView], available: set[int] | None = None,
+               width: int | None = None) -> int:
         return self.k
 
     def admit(self, slot: int) -> None: ...
