@@ -41,7 +41,7 @@ from specgen.checkpoints.store import CheckpointError, cache_root, read_config, 
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
                           stats_path, tokenize_with_generation_start, write_json_atomic)
-from specgen.machine import choose_threads, cpu_has_bf16
+from specgen.machine import choose_threads, cpu_has_avx512, cpu_has_bf16
 from specgen.pipelines.compiled import freezes, use_compile_cache
 from specgen.pipelines.policy import FIRST_PROBE_INTERVAL, AdaptivePolicy, per_position_prior
 from specgen.pipelines.reasoning import THINK_END, THINK_START, ReasoningMarkers
@@ -129,21 +129,24 @@ def resolve(recipe: Recipe) -> Resolved:
 
 
 def draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """`draft.dtype`: auto = bfloat16 where the device multiplies it natively (`auto_dtype`), else the
-    target's. The draft only proposes, so a float32 target keeps its exact output beside a bf16 draft
-    (drafts/precision.py), and a draft pass reads every draft weight for a few rows: its time is the
-    bytes it reads. Where bf16 is emulated a bf16 GEMM converts every weight and runs slower, so the
-    draft keeps the target's dtype there. Figures: README, "The draft's dtype"."""
+    """`draft.dtype`: auto = bfloat16 where bf16 pays (`auto_dtype`), else the target's. The draft only
+    proposes, so a float32 target keeps its exact output beside a bf16 draft (drafts/precision.py),
+    and a draft pass reads every draft weight for a few rows: its time is the bytes it reads. Where
+    bf16 GEMMs have no kernel of specgen's they convert every weight and run slower, so the draft
+    keeps the target's dtype there. Figures: README, "The draft's dtype"."""
     if name != "auto":
         return DTYPES[name]
     return torch.bfloat16 if auto_dtype(device) == "bfloat16" else target_dtype
 
 
 def auto_dtype(device: torch.device) -> str:
-    """`target.dtype: auto`: bfloat16 on CUDA and on CPUs that multiply it natively (AMX, AVX512-BF16:
-    vLLM's CPU backend chooses the same), float32 elsewhere, where bf16 GEMMs convert every weight
-    and run slower. Lossless always means against plain decoding in the same dtype."""
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16()):
+    """`target.dtype: auto`: bfloat16 on CUDA, on CPUs that multiply it natively (AMX, AVX512-BF16:
+    vLLM's CPU backend chooses the same) and on other AVX-512 CPUs, where specgen's converting
+    kernel (kernels/cpu_bf16_dot.py) makes compiled bf16 steps faster than float32 ones at 1 and 8
+    slots (README, "Which dtype"); float32 elsewhere (AVX2 alone: unmeasured, and Inductor's bf16
+    kernel converts every weight twice). Lossless always means against plain decoding in the same
+    dtype."""
+    if device.type == "cuda" or (device.type == "cpu" and (cpu_has_bf16() or cpu_has_avx512())):
         return "bfloat16"
     return "float32"
 
@@ -399,8 +402,9 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     device = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu"
     dtype = str(r.dtype).removeprefix("torch.")
     if recipe.target.dtype == "auto" and r.device.type == "cpu":
-        dtype += " (auto: the CPU multiplies bf16 natively)" if dtype == "bfloat16" else \
-            " (auto: no native bf16 on this CPU)"
+        dtype += (" (auto: no AVX-512 on this CPU)" if dtype != "bfloat16" else
+                  " (auto: the CPU multiplies bf16 natively)" if cpu_has_bf16() else
+                  " (auto: AVX-512, bf16 converted in registers)")
     if draft is not None and r.draft_dtype != r.dtype:
         dtype += f", draft {str(r.draft_dtype).removeprefix('torch.')}"
     runner.header = (f"{device}, {dtype}, "

@@ -66,7 +66,7 @@ def _format(path: str, problem: str) -> str:
 @dataclass(frozen=True, slots=True)
 class TargetSpec:
     model: str
-    dtype: str = "auto"  # auto = bfloat16 on CUDA and on CPUs with native bf16, else float32 (job.auto_dtype)
+    dtype: str = "auto"  # auto = bfloat16 on CUDA and AVX-512 CPUs, else float32 (job.auto_dtype)
     load_format: str = "auto"  # dummy = random weights from config.json alone
     # config.json fields replaced before anything is built (vLLM's hf_overrides; nested dicts merge):
     # e.g. {num_hidden_layers: 5} times the real DeepSeek-V3 layer shapes on one GPU with dummy weights
@@ -84,7 +84,7 @@ class DraftSpec:
     stochastic: bool = False  # sample drafts from q and use full rejection sampling
     max_speculative_tokens: int | None = None  # auto only: the largest k (None: the method's default)
     # The draft only proposes, so its precision changes how often it is right, never what is kept:
-    # auto = bfloat16 where the device multiplies it natively, else the target's; a bf16 draft beside
+    # auto = bfloat16 where the target's auto takes it (job.auto_dtype), else the target's; a bf16 draft beside
     # a float32 target keeps the target's exact output (job.draft_dtype).
     dtype: str = "auto"
 

@@ -145,17 +145,18 @@ def test_a_cpu_gemm_row_gets_the_bits_of_a_one_row_gemm_with_four_row_tiles(dtyp
 
 
 def test_the_bf16_dot_kernel_sums_as_its_reference_and_gives_each_row_the_bits_of_a_one_row_gemm():
-    """kernels/cpu_bf16_dot.py, where the CPU has AVX512-BF16 and no AMX: the compiled bf16 GEMM runs
-    `vdpbf16ps` and every output is the reference's sum, bit for bit, in the reference's order (odd
-    product of a pair first: an input built so that plain sequential fp32 sums to 0 and this order to
-    1); 13 rows give each row the bits of its 1-row GEMM."""
+    """kernels/cpu_bf16_dot.py, where the CPU has AVX-512 and no AMX: the compiled bf16 GEMM runs
+    `vdpbf16ps` (AVX512-BF16) or the converting kernel (AVX-512 alone), and every output is the
+    reference's sum, bit for bit, in the reference's order (odd product of a pair first: an input
+    built so that plain sequential fp32 sums to 0 and this order to 1); 13 rows give each row the
+    bits of its 1-row GEMM."""
     from torch._inductor.utils import run_and_get_code
 
-    from specgen.kernels.cpu_bf16_dot import dot_pairs_reference, supported
+    from specgen.kernels.cpu_bf16_dot import dot_pairs_reference, supported, supported_native
     from specgen.pipelines.compiled import compile_frozen_on_cpu
 
     if not supported():
-        pytest.skip("no AVX512-BF16 (or AMX present): Inductor's own kernels run")
+        pytest.skip("no AVX-512 (or AMX present): Inductor's own kernels run")
     torch.manual_seed(0)
     # order: per pair (k, k+1) the products are 1 and 2**25, then 1 and -2**25
     order = torch.nn.Linear(4, 16, bias=False).to(torch.bfloat16).eval()
@@ -167,13 +168,17 @@ def test_the_bf16_dot_kernel_sums_as_its_reference_and_gives_each_row_the_bits_o
     with torch.inference_mode():
         torch._dynamo.reset()
         summed = compile_frozen_on_cpu(lambda v: order(v))(x_order)
-        assert (x_order.float() @ order.weight.float().t())[0, 0] == 0
+        sequential = torch.zeros((), dtype=torch.float32)
+        for a, b in zip(x_order[0].float(), order.weight[0].float()):   # k = 0, 1, 2, 3 in order
+            sequential = sequential + a * b
+        assert sequential == 0
         assert torch.equal(summed.float(), dot_pairs_reference(x_order, order.weight))
         torch._dynamo.reset()
         many, (code,) = run_and_get_code(compile_frozen_on_cpu(lambda v: linear(v)), x)
         one_row = compile_frozen_on_cpu(lambda v: linear(v))
         rows = torch.cat([one_row(x[i:i + 1]) for i in range(13)])
-    assert "_mm512_dpbf16_ps" in code
+    assert ("_mm512_dpbf16_ps" in code) == supported_native()
+    assert "_mm512_slli_epi32(pairs, 16)" in code or supported_native()
     assert torch.equal(many, dot_pairs_reference(x, linear.weight).to(torch.bfloat16))
     assert torch.equal(many, rows)
 

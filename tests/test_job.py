@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specgen.job import CPU_COMPILE_MIN_STEPS, decide_compile
@@ -49,14 +50,17 @@ def test_memory_estimate_counts_weights_caches_and_transients():
         assert ("CUDA graph pool" in parts) is graphs
 
 
-def test_the_draft_runs_in_bf16_where_the_device_multiplies_it_natively(monkeypatch):
+@pytest.mark.parametrize(("native", "avx512", "pays"), [(True, True, True), (False, True, True),
+                                                        (False, False, False)])
+def test_the_draft_and_target_run_in_bf16_where_a_bf16_kernel_pays(monkeypatch, native, avx512, pays):
     import specgen.job as job
 
     fp32, bf16, cpu = torch.float32, torch.bfloat16, torch.device("cpu")
-    for native in (True, False):
-        monkeypatch.setattr(job, "cpu_has_bf16", lambda: native)
-        # auto: bf16 where bf16 GEMMs are native (whatever the target's dtype), else the target's
-        assert job.draft_dtype("auto", fp32, cpu) == (bf16 if native else fp32)
-        assert job.draft_dtype("auto", bf16, cpu) == bf16
-        # a dtype set is kept either way
-        assert job.draft_dtype("bfloat16", fp32, cpu) == bf16 and job.draft_dtype("float32", bf16, cpu) == fp32
+    monkeypatch.setattr(job, "cpu_has_bf16", lambda: native)
+    monkeypatch.setattr(job, "cpu_has_avx512", lambda: avx512)
+    assert job.auto_dtype(cpu) == ("bfloat16" if pays else "float32")
+    # auto: bf16 where bf16 GEMMs pay (whatever the target's dtype), else the target's
+    assert job.draft_dtype("auto", fp32, cpu) == (bf16 if pays else fp32)
+    assert job.draft_dtype("auto", bf16, cpu) == bf16
+    # a dtype set is kept either way
+    assert job.draft_dtype("bfloat16", fp32, cpu) == bf16 and job.draft_dtype("float32", bf16, cpu) == fp32

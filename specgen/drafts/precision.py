@@ -8,7 +8,7 @@ a draft reads of its target (sizes, `shape`, `embed`, `final_norm`, `head`, `inp
 Why it is allowed: the draft only proposes. Its precision changes how often the target agrees with
 it, never what is kept: the target verifies in its own dtype, and a stochastic draft's probabilities
 are computed from the very logits its token was sampled from. `draft.dtype` chooses it; `auto` takes
-bf16 where the device multiplies it natively, else the target's (job.draft_dtype).
+bf16 where bf16 GEMMs pay (AVX-512 or native bf16, job.auto_dtype), else the target's (job.draft_dtype).
 
 What it costs: the head, when the draft shares the target's (MTP, DFlash), is held again in the
 draft's dtype (vocab x hidden; SmolLM2: 57 MB in bf16), because reading the float32 one is exactly
