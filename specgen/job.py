@@ -23,7 +23,7 @@ import os
 import platform
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -128,7 +128,7 @@ def resolve(recipe: Recipe) -> Resolved:
     return resolved
 
 
-def draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+def draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device, compiled: bool = True) -> torch.dtype:
     """`draft.dtype`: auto = bfloat16 where bf16 pays (`auto_dtype`), else the target's. The draft only
     proposes, so a float32 target keeps its exact output beside a bf16 draft (drafts/precision.py),
     and a draft pass reads every draft weight for a few rows: its time is the bytes it reads. Where
@@ -136,17 +136,18 @@ def draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device) -> t
     keeps the target's dtype there. Figures: README, "The draft's dtype"."""
     if name != "auto":
         return DTYPES[name]
-    return torch.bfloat16 if auto_dtype(device) == "bfloat16" else target_dtype
+    return torch.bfloat16 if auto_dtype(device, compiled) == "bfloat16" else target_dtype
 
 
-def auto_dtype(device: torch.device) -> str:
+def auto_dtype(device: torch.device, compiled: bool = True) -> str:
     """`target.dtype: auto`: bfloat16 on CUDA, on CPUs that multiply it natively (AMX, AVX512-BF16:
-    vLLM's CPU backend chooses the same) and on other AVX-512 CPUs, where specgen's converting
-    kernel (kernels/cpu_bf16_dot.py) makes compiled bf16 steps faster than float32 ones at 1 and 8
-    slots (README, "Which dtype"); float32 elsewhere (AVX2 alone: unmeasured, and Inductor's bf16
-    kernel converts every weight twice). Lossless always means against plain decoding in the same
-    dtype."""
-    if device.type == "cuda" or (device.type == "cpu" and (cpu_has_bf16() or cpu_has_avx512())):
+    vLLM's CPU backend chooses the same) and, for compiled steps, on other AVX-512 CPUs, where
+    specgen's converting kernel (kernels/cpu_bf16_dot.py) makes bf16 steps faster than float32 ones
+    at 1 and 8 slots; eager steps there (`compiled` False) run bf16 through oneDNN, slower than
+    float32 from 2 rows on (README, "Which dtype"). float32 elsewhere (AVX2 alone: unmeasured, and
+    Inductor's bf16 kernel converts every weight twice). Lossless always means against plain
+    decoding in the same dtype."""
+    if device.type == "cuda" or (device.type == "cpu" and (cpu_has_bf16() or (compiled and cpu_has_avx512()))):
         return "bfloat16"
     return "float32"
 
@@ -335,6 +336,12 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     if tokenizer is None:     # first: a recipe its tokenizer cannot serve stops before weights load
         tokenizer = load_tokenizer(r.target_folder, target_config(r.target_config).vocab_size)
     markers = reasoning_markers(recipe, tokenizer)
+    b = recipe.runtime.batch_size
+    compile, why_compile = decide_compile(recipe, r.device, expected_steps, b)
+    if target is None and not compile:
+        # `resolve` chose the auto dtypes for compiled steps; eager ones may want others (auto_dtype)
+        dtype = DTYPES[auto_dtype(r.device, compiled=False)] if recipe.target.dtype == "auto" else r.dtype
+        r = replace(r, dtype=dtype, draft_dtype=draft_dtype(recipe.draft.dtype, dtype, r.device, compiled=False))
     dummy_target = recipe.target.load_format == "dummy"
     if target is None:
         target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
@@ -377,12 +384,10 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,
                        num_sms=num_sms, relaxed=relaxed)
     s = recipe.sampling
-    b = recipe.runtime.batch_size
     sampling = SamplingTensors.build([s.temperature] * b, [s.top_k] * b, [s.top_p] * b,
                                      [s.min_p] * b, r.device)
     rules = StopRules(eos, tuple(s.stop), s.ignore_eos,
                       lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    compile, why_compile = decide_compile(recipe, r.device, expected_steps, b)
     if compile:
         use_compile_cache(cache_root() / "compiled")
     policy = None
@@ -402,14 +407,16 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     device = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu"
     dtype = str(r.dtype).removeprefix("torch.")
     if recipe.target.dtype == "auto" and r.device.type == "cpu":
-        dtype += (" (auto: no AVX-512 on this CPU)" if dtype != "bfloat16" else
-                  " (auto: the CPU multiplies bf16 natively)" if cpu_has_bf16() else
-                  " (auto: AVX-512, bf16 converted in registers)")
+        dtype += (" (auto: the CPU multiplies bf16 natively)" if cpu_has_bf16() else
+                  " (auto: AVX-512, bf16 converted in registers)" if dtype == "bfloat16" else
+                  " (auto: eager steps, where bf16 converts on this CPU)" if cpu_has_avx512() else
+                  " (auto: no AVX-512 on this CPU)")
     if draft is not None and r.draft_dtype != r.dtype:
         dtype += f", draft {str(r.draft_dtype).removeprefix('torch.')}"
     runner.header = (f"{device}, {dtype}, "
                      f"{threads} thread{'s' * (threads != 1)} ({why_threads}), "
                      f"compile {'on' if compile else 'off'} ({why_compile}), batch {b}, {draft_part}")
+    runner.resolved = r          # the dtypes it runs in (eager steps may take others than `resolve`'s)
     return runner, tokenizer, notes
 
 
@@ -610,8 +617,8 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "notes": notes,
         "memory_estimate_bytes": memory,
         "device": _device_name(r.device),
-        "dtype": str(r.dtype).removeprefix("torch."),
-        "draft_dtype": str(r.draft_dtype).removeprefix("torch.") if recipe.draft.enabled else None,
+        "dtype": str(runner.resolved.dtype).removeprefix("torch."),
+        "draft_dtype": str(runner.resolved.draft_dtype).removeprefix("torch.") if recipe.draft.enabled else None,
         "versions": {"specgen": _version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }

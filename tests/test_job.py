@@ -59,8 +59,43 @@ def test_the_draft_and_target_run_in_bf16_where_a_bf16_kernel_pays(monkeypatch, 
     monkeypatch.setattr(job, "cpu_has_bf16", lambda: native)
     monkeypatch.setattr(job, "cpu_has_avx512", lambda: avx512)
     assert job.auto_dtype(cpu) == ("bfloat16" if pays else "float32")
+    # eager steps (runtime.compile off or too short a job) take bf16 only where it is native
+    assert job.auto_dtype(cpu, compiled=False) == ("bfloat16" if native else "float32")
+    assert job.draft_dtype("auto", fp32, cpu, compiled=False) == (bf16 if native else fp32)
     # auto: bf16 where bf16 GEMMs pay (whatever the target's dtype), else the target's
     assert job.draft_dtype("auto", fp32, cpu) == (bf16 if pays else fp32)
     assert job.draft_dtype("auto", bf16, cpu) == bf16
     # a dtype set is kept either way
     assert job.draft_dtype("bfloat16", fp32, cpu) == bf16 and job.draft_dtype("float32", bf16, cpu) == fp32
+
+
+def test_an_eager_run_takes_the_eager_dtypes_on_a_cpu_that_converts_bf16(monkeypatch, tmp_path):
+    """`resolve` chooses the auto dtypes for compiled steps (bf16 on any AVX-512 CPU); a run that
+    will not compile, on a CPU without native bf16, loads float32 target and draft instead, says so
+    in its header and reports it (`runner.resolved`). Pinned dtypes stay as set."""
+    import specgen.job as job
+    from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, \
+        write_llama_checkpoint
+
+    monkeypatch.setattr(job, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(job, "cpu_has_avx512", lambda: True)
+    config = tiny_llama_config()
+    target = write_llama_checkpoint(tmp_path / "target", config)
+    draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config), config)
+
+    def runner_for(target_dtype: str, draft_dtype: str):
+        recipe = recipe_from_dict({
+            "target": {"model": str(target), "dtype": target_dtype},
+            "draft": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 1, "dtype": draft_dtype},
+            "runtime": {"device": "cpu", "batch_size": 1, "max_seq_len": 64, "compile": False},
+            "chat_template": False})
+        resolved = job.resolve(recipe)
+        assert resolved.dtype == torch.bfloat16 or target_dtype != "auto"    # chosen for compiled steps
+        return job.build_runner(recipe, resolved, 0)[0]
+
+    eager = runner_for("auto", "auto")
+    assert (eager.resolved.dtype, eager.resolved.draft_dtype) == (torch.float32, torch.float32)
+    assert "float32 (auto: eager steps" in eager.header
+    assert next(eager.unified.target.parameters()).dtype == torch.float32
+    pinned = runner_for("bfloat16", "auto")
+    assert (pinned.resolved.dtype, pinned.resolved.draft_dtype) == (torch.bfloat16, torch.bfloat16)
