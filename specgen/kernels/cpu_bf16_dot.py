@@ -198,13 +198,16 @@ def supported(vec_isa=None) -> bool:
     return supported_native(vec_isa) or supported_converting(vec_isa)
 
 
-def _takes(config, m, n, k, alpha, num_threads, **kwargs) -> bool:
-    # Never the rows (m): one kernel for a GEMM whatever its rows, so a row's bits never depend on them.
-    return k % 2 == 0 and alpha == 1 and supported_native(kwargs.get("vec_isa"))
+def _check(cpu_takes):
+    """A config's extra check: even K, alpha 1, a CPU `cpu_takes` accepts. Never the rows (m): one
+    kernel for a GEMM whatever its rows, so a row's bits never depend on them."""
+    def extra_check(config, m, n, k, alpha, num_threads, **kwargs) -> bool:
+        return k % 2 == 0 and alpha == 1 and cpu_takes(kwargs.get("vec_isa"))
+
+    return extra_check
 
 
-def _takes_converting(config, m, n, k, alpha, num_threads, **kwargs) -> bool:
-    return k % 2 == 0 and alpha == 1 and supported_converting(kwargs.get("vec_isa"))
+_takes, _takes_converting = _check(supported_native), _check(supported_converting)
 
 
 def _unless_converting_takes(check):
