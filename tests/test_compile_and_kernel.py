@@ -15,8 +15,18 @@ from test_speculative import make_recipe, models, prompts, run, runner_for  # no
 import specgen.pipelines.unified as unified
 
 
+@pytest.fixture
+def lowered_anew():
+    """Inductor's graph cache off: a test that counts what Inductor lowers (templates, parses) must
+    see the lowering, which a cache hit (the same weights, compiled by an earlier run) skips."""
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False):
+        yield
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_p": 0.9}], ids=["greedy", "sampled"])
-def test_compiled_step_equals_eager(models, sampling):  # noqa: F811
+def test_compiled_step_equals_eager(models, sampling, lowered_anew):  # noqa: F811
     target, draft = models
     ids = prompts(lengths=(3, 11, 6))
     eager, eager_totals = run(runner_for(make_recipe(target, draft, k=2, batch=1, **sampling)), ids, max_tokens=12)
@@ -58,7 +68,7 @@ def test_a_recompile_mid_run_is_compile_time_not_a_steps_cost(models):  # noqa: 
 
 
 @pytest.mark.parametrize("rows", [1, 16])
-def test_every_cpu_gemm_takes_the_template_without_autotuning(rows):
+def test_every_cpu_gemm_takes_the_template_without_autotuning(rows, lowered_anew):
     """CPU_FROZEN_SETTINGS: each GEMM of a frozen CPU step runs Inductor's C++ template, chosen without
     benchmarking, whatever its row count (autotuning had taken MKL for 16 rows and more: steps of 2
     rows per slot at batch 8 ran as slowly as eager ones)."""
@@ -86,7 +96,7 @@ def test_every_cpu_gemm_takes_the_template_without_autotuning(rows):
     assert counters["inductor"]["select_algorithm_autotune"] == 0
 
 
-def test_a_frozen_cpu_compile_parses_each_gemm_template_source_once(monkeypatch):
+def test_a_frozen_cpu_compile_parses_each_gemm_template_source_once(monkeypatch, lowered_anew):
     """cpu_gemm._parse_each_template_once: once a GEMM of a shape has been compiled, compiling more
     GEMMs parses no Jinja source again (Inductor parsed every template at every render: 10-11 s of a
     cold SmolLM2 EAGLE-3 compile on 2 cores), and the GEMMs still compute what eager does."""
@@ -112,8 +122,61 @@ def test_a_frozen_cpu_compile_parses_each_gemm_template_source_once(monkeypatch)
     assert parses == []
 
 
+def test_a_frozen_step_comes_from_the_graph_cache_only_for_the_same_weights():
+    """cpu_gemm: Inductor's graph cache serves a frozen CPU graph (a second compile of the same
+    weights is a hit), and two modules of one layout with other weights never share an entry:
+    the entry holds the C++ template's packed weights by value, while Inductor keys frozen weights by
+    dtype and shape alone (a fine-tune would have run with its base model's weights)."""
+    from torch._inductor.utils import fresh_cache
+
+    from specgen.pipelines.compiled import compile_frozen_on_cpu
+
+    def mlp(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.SiLU(),
+                                   torch.nn.Linear(96, 64, bias=False)).eval()
+
+    x = torch.randn(3, 64)
+    seen = {}
+    with fresh_cache(), torch.inference_mode():
+        for name, seed in [("first", 0), ("same weights", 0), ("other weights", 1)]:
+            module = mlp(seed)
+            torch._dynamo.reset()
+            counters.clear()
+            out = compile_frozen_on_cpu(module.forward)(x)
+            torch.testing.assert_close(out, module(x), rtol=1e-4, atol=1e-5)
+            seen[name] = dict(counters["inductor"])
+    assert seen["first"]["fxgraph_cache_miss"] == 1 and seen["first"]["cpp_templated_kernel_counter"] == 2
+    assert seen["same weights"]["fxgraph_cache_hit"] == 1 and "fxgraph_cache_miss" not in seen["same weights"]
+    assert seen["other weights"]["fxgraph_cache_miss"] == 1
+
+
+def test_the_graph_cache_keeps_its_newest_entries_within_its_cap(tmp_path):
+    """compiled.prune_graph_cache: the oldest entries go first, until the rest fits; an entry is
+    judged by its newest file and counted whole (its folder with every file in it)."""
+    import os
+
+    from specgen.pipelines.compiled import prune_graph_cache
+
+    def entry(name: str, sizes: list[int], age: int) -> Path:
+        folder = tmp_path / "fxgraph" / name[:2] / name
+        folder.mkdir(parents=True)
+        for i, size in enumerate(sizes):
+            f = folder / f"part{i}"
+            f.write_bytes(b"x" * size)
+            os.utime(f, (1_000_000 - age, 1_000_000 - age))
+        return folder
+
+    oldest, old, new, newest = (entry("aa1", [300, 300], 40), entry("bb2", [500], 30),
+                                entry("aa3", [200, 100], 20), entry("cc4", [400], 10))
+    assert prune_graph_cache(tmp_path / "fxgraph", max_bytes=1_000) == [oldest, old]
+    assert [p.exists() for p in (oldest, old, new, newest)] == [False, False, True, True]
+    assert prune_graph_cache(tmp_path / "fxgraph", max_bytes=1_000) == []
+    assert prune_graph_cache(tmp_path / "missing", max_bytes=0) == []
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_cpu_gemm_row_gets_the_bits_of_a_one_row_gemm_with_four_row_tiles(dtype):
+def test_a_cpu_gemm_row_gets_the_bits_of_a_one_row_gemm_with_four_row_tiles(dtype, lowered_anew):
     """cpu_gemm: a GEMM of 13 rows (3 full 4-row register tiles and a tail) gives every row the bits
     the same GEMM of 1 row gives it (what keeps verified tokens equal to plain decoding's), and on
     AVX-512 it runs register tiles of 4 rows (Inductor's own choice, 8 rows, took 1.5-2.4x as long

@@ -28,14 +28,16 @@ Variants are few by construction:
 - the prefill is compiled with dynamic shapes (rows and padded length), without CUDA graphs, where
   it pays (CUDA); on CPU its large GEMMs gain little from Inductor and it stays eager.
 Inductor's on-disk caches live under the directory the caller gives (`$SPECGEN_CACHE/compiled`), so
-a second run of the same recipe reuses compiled code (whole graphs when not frozen; the generated
-kernels and the autotuning choices always: frozen graphs bypass Inductor's graph cache).
+a second run of the same recipe reuses compiled code: whole graphs, frozen ones included (keyed by
+their weights' values: cpu_gemm.py), and the generated kernels. Its graph cache there keeps the most
+recent entries up to `GRAPH_CACHE_MAX_BYTES` (`prune_graph_cache`, at each compiled run's start).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import time
 import types
 import warnings
@@ -80,7 +82,34 @@ def use_compile_cache(directory: Path) -> None:
 
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, os.path.abspath(default_cache_dir())):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory / "inductor")
+        prune_graph_cache(directory / "inductor" / "fxgraph")
     os.environ.setdefault("TRITON_CACHE_DIR", str(directory / "triton"))
+
+
+# What Inductor's graph cache may keep between runs. An entry of a frozen CPU step holds the C++
+# template's packed copy of every weight it multiplies by (SmolLM2 in float32: 515 MB per variant).
+GRAPH_CACHE_MAX_BYTES = 8 << 30
+
+
+def prune_graph_cache(folder: Path, max_bytes: int = GRAPH_CACHE_MAX_BYTES) -> list[Path]:
+    """Delete the oldest entries of Inductor's graph cache under `folder` (fxgraph/<xx>/<key>/) until
+    the rest takes at most `max_bytes`; returns the entries deleted. A deleted entry costs only a
+    compile, at the next run that needs it."""
+    entries = []
+    for entry in folder.glob("*/*"):
+        files = [f for f in entry.rglob("*") if f.is_file()]
+        if files:
+            stats = [f.stat() for f in files]
+            entries.append((max(st.st_mtime for st in stats), sum(st.st_size for st in stats), entry))
+    total = sum(size for _, size, _ in entries)
+    deleted = []
+    for _, size, entry in sorted(entries, key=lambda e: e[0]):
+        if total <= max_bytes:
+            break
+        shutil.rmtree(entry, ignore_errors=True)
+        total -= size
+        deleted.append(entry)
+    return deleted
 
 
 # Inductor's CPU autotuning calls a deprecated storage API: a warning no user can act on.

@@ -111,6 +111,109 @@ def _parse_each_template_once() -> bool:
 
 
 @functools.cache
+def _parse_index_expressions_once() -> bool:
+    """Memoise the C++ template's `parse_expr_with_index_symbols` (a size or index written as text ->
+    a sympy expression of index symbols) by its text. Returns False where Inductor has no such
+    function. The template re-parses the same few strings ("M", "N", "m_end", ...) with sympy's full
+    parser at every render: 9,680 parses for SmolLM2's plain step (a quarter of its cProfiled
+    codegen, Intel Xeon Skylake-SP). Sympy expressions are immutable, so one serves every render."""
+    from torch._inductor.codegen import cpp_template_kernel as module
+
+    parse = getattr(module, "parse_expr_with_index_symbols", None)
+    if parse is None or getattr(parse, "_specgen_memo", False):
+        return parse is not None
+    parse_text = functools.lru_cache(maxsize=4096)(lambda text: parse(text))
+
+    def parse_memoised(expr):
+        # lists recurse through the module's name, so every element comes back here
+        return parse_text(expr) if isinstance(expr, str) else parse(expr)
+
+    parse_memoised._specgen_memo = True
+    module.parse_expr_with_index_symbols = parse_memoised
+    return True
+
+
+@functools.cache
+def _keep_linear_weights_unpacked() -> bool:
+    """Stop Inductor's freezing passes from packing each linear weight for oneDNN / MKL (their
+    `_mkldnn_weight_pack_init` patterns; they register once per process, at the first frozen
+    compile). Returns False where Inductor has no such hook (its packing then stands).
+
+    The C++ template packs its own copy of the weight and drops oneDNN's, so the packing bought
+    nothing, and cost the graph cache: a packed oneDNN weight cannot be pickled, so Inductor's graph
+    cache passed over every frozen step ("mkldnn tensors unpickleable") and each run lowered and
+    generated the whole step again (SmolLM2's plain step, float32, Intel Xeon Skylake-SP: 104 s with
+    the kernels already built, against 37 s from the graph cache). Unpacked, a linear lowers through
+    `mm` with its constant weight, which takes the same template (`_template_when_possible`)."""
+    try:
+        from torch._inductor.fx_passes import mkldnn_fusion
+    except ImportError:
+        return False
+    if not callable(getattr(mkldnn_fusion, "_mkldnn_weight_pack_init", None)):
+        return False
+    mkldnn_fusion._mkldnn_weight_pack_init = lambda: None
+    return True
+
+
+def _weights_digest(t) -> str:
+    """A digest of a CPU tensor's bytes (blake2b, 16 bytes; hashlib releases the GIL on large buffers)."""
+    import hashlib
+
+    import torch
+
+    data = t.detach().contiguous().view(-1).view(torch.uint8)
+    return hashlib.blake2b(data.numpy(), digest_size=16).hexdigest()
+
+
+@functools.cache
+def _key_frozen_weights_by_content() -> bool:
+    """Make Inductor's graph-cache key of a frozen graph depend on its weights' VALUES (and on this
+    module's kernels), not only on their shapes. Returns False where Inductor's key is not built as
+    expected: the graph cache is then turned off for frozen steps (`CPU_FROZEN_SETTINGS`).
+
+    Why: a frozen graph's cache entry holds the C++ template's packed copy of every weight, by value,
+    while its key describes frozen weights by dtype and shape alone. Two checkpoints of one layout (a
+    fine-tune and its base, two random test models) would share the entry, and the second run would
+    multiply by the first one's weights. The kernels this module registers (`cpu_bf16_dot`, the
+    narrowed tiles) shape the generated code without entering Inductor's key either."""
+    from torch._inductor import codecache
+    from torch._inductor.freezing_utils import is_frozen_param
+
+    pickler = getattr(codecache, "FxGraphCachePickler", None)
+    reduce = getattr(pickler, "_reduce_tensor", None) if pickler is not None else None
+    metadata = getattr(codecache, "extract_tensor_metadata_for_cache_key", None)
+    if reduce is None or metadata is None:
+        return False
+    kernels = _kernel_sources_digest()
+
+    def reduce_by_content(self, t):
+        if is_frozen_param(t) and not t.is_mkldnn and t.device.type == "cpu":
+            return (_identity, (metadata(t), _weights_digest(t), kernels))
+        return reduce(self, t)
+
+    pickler._reduce_tensor = reduce_by_content
+    return True
+
+
+def _identity(x):
+    return x
+
+
+def _kernel_sources_digest() -> str:
+    """A digest of the sources that shape a frozen step's generated code beyond Inductor's own."""
+    import hashlib
+    import inspect
+    import sys
+
+    from specgen.kernels import cpu_bf16_dot
+
+    h = hashlib.blake2b(digest_size=16)
+    for module in (sys.modules[__name__], cpu_bf16_dot):
+        h.update(inspect.getsource(module).encode())
+    return h.hexdigest()
+
+
+@functools.cache
 def _take_template_without_autotuning() -> None:
     from torch._inductor.select_algorithm import add_preprocessing_fn
 
@@ -129,6 +232,9 @@ def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS, bf16_dot: b
     global _tiles_chosen
     _take_template_without_autotuning()
     _parse_each_template_once()
+    _parse_index_expressions_once()
+    if not (_keep_linear_weights_unpacked() and _key_frozen_weights_by_content()):
+        CPU_FROZEN_SETTINGS["fx_graph_cache"] = False
     if not _tiles_chosen:
         _tiles_chosen = True
         if max_tile_rows is not None:
