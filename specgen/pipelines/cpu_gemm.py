@@ -6,7 +6,8 @@ under `CPU_FROZEN_SETTINGS` take the C++ template without autotuning, with regis
 has (the template accumulates each output row over k in the same order whatever the tile, as long
 as it never splits k across threads: `cpp.gemm_max_k_slices` is pinned to 1, its default, since
 whether it splits depends on the rows), which is what makes a token verified beside drafts the
-token plain decoding computes.
+token plain decoding computes. It also lets Inductor's graph cache serve frozen graphs, keyed by the
+values of the weights they fold in.
 
 Why the template: a step's GEMMs have few rows (K + 1 per slot), a shape oneDNN/MKL run far from the
 memory bound: on 2 cores, SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1 row (frozen,
@@ -30,6 +31,14 @@ Zen 4 cores, GCC 12, `python benchmarks/gemm_rows.py --tile-rows 0`: bf16 160 / 
 Intel's AMX path (bf16 on Xeons with AMX) is another micro-kernel, left as Inductor chooses it. On
 CPUs with AVX512-BF16 and no AMX (AMD Zen 4), bf16 takes neither: `kernels/cpu_bf16_dot.py`, which
 `use_cpu_gemm_template()` registers, multiplies it in bf16 (the tile sizes above then concern float32).
+
+Why frozen steps can come from Inductor's graph cache (`_keep_linear_weights_unpacked`,
+`_key_frozen_weights_by_content`): a run of weights, dtype and variant compiled before loads the whole
+graph instead of lowering it again (SmolLM2's plain step, float32, 2 Intel Xeon Skylake-SP cores:
+104 s -> 37-42 s with the kernels cached either way). That needs the linear weights left unpacked
+(oneDNN's packed tensors cannot be pickled) and a key that knows the weights' values: the cache
+entry holds the template's packed copy of each one. Where either hook is missing, frozen steps
+stay out of the graph cache (`fx_graph_cache` off in CPU_FROZEN_SETTINGS).
 
 Why the templates are parsed once (`_parse_each_template_once`): Inductor renders the template's C++
 from Jinja sources and parses each source again at every render, for every GEMM of the graph (211
