@@ -35,7 +35,7 @@ CPUs with AVX512-BF16 and no AMX (AMD Zen 4), bf16 takes neither: `kernels/cpu_b
 Why frozen steps can come from Inductor's graph cache (`_keep_linear_weights_unpacked`,
 `_key_frozen_weights_by_content`): a run of weights, dtype and variant compiled before loads the whole
 graph instead of lowering it again (SmolLM2's plain step, float32, 2 Intel Xeon Skylake-SP cores:
-104 s -> 37-42 s with the kernels cached either way). That needs the linear weights left unpacked
+89-105 s -> 37-45 s with the kernels cached either way). That needs the linear weights left unpacked
 (oneDNN's packed tensors cannot be pickled) and a key that knows the weights' values: the cache
 entry holds the template's packed copy of each one. Where either hook is missing, frozen steps
 stay out of the graph cache (`fx_graph_cache` off in CPU_FROZEN_SETTINGS).
