@@ -37,13 +37,14 @@ def one_run(k: int, dtype: str) -> dict:
     seconds = time.perf_counter() - start
     cache = counters["inductor"]
     return {"seconds": round(seconds, 1), "graph_cache_hits": cache["fxgraph_cache_hit"],
-            "graph_cache_misses": cache["fxgraph_cache_miss"], "bypassed": cache["fxgraph_cache_bypass"],
-            "threads": torch.get_num_threads()}
+            "graph_cache_misses": cache["fxgraph_cache_miss"],
+            "bypassed": cache["fxgraph_cache_bypass"], "threads": torch.get_num_threads()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--k", type=int, default=0, help="0: the plain step; k >= 1: EAGLE-3's step of k drafts")
+    parser.add_argument("--k", type=int, default=0,
+                        help="0: the plain step; k >= 1: EAGLE-3's step of k drafts")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -56,8 +57,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=folder)
         for run in range(1, args.runs + 1):
-            out = subprocess.run([sys.executable, __file__, "--child", "--k", str(args.k), "--dtype", args.dtype],
-                                 env=env, check=True, capture_output=True, text=True).stdout
+            command = [sys.executable, __file__, "--child", "--k", str(args.k), "--dtype", args.dtype]
+            out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
             result = json.loads(out.strip().splitlines()[-1])
             state = "empty cache" if run == 1 else "the cache of the runs before"
             print(f"run {run} ({state}): compile {result['seconds']} s; graph cache: "

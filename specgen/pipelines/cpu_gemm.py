@@ -151,8 +151,8 @@ def _keep_linear_weights_unpacked() -> bool:
     The C++ template packs its own copy of the weight and drops oneDNN's, so the packing bought
     nothing, and cost the graph cache: a packed oneDNN weight cannot be pickled, so Inductor's graph
     cache passed over every frozen step ("mkldnn tensors unpickleable") and each run lowered and
-    generated the whole step again (SmolLM2's plain step, float32, Intel Xeon Skylake-SP: 104 s with
-    the kernels already built, against 37 s from the graph cache). Unpacked, a linear lowers through
+    generated the whole step again (SmolLM2's plain step, float32, Intel Xeon Skylake-SP: 89-105 s
+    with the kernels already built, against 37-45 s from the graph cache). Unpacked, a linear lowers through
     `mm` with its constant weight, which takes the same template (`_template_when_possible`)."""
     try:
         from torch._inductor.fx_passes import mkldnn_fusion
@@ -184,7 +184,8 @@ def _key_frozen_weights_by_content() -> bool:
     while its key describes frozen weights by dtype and shape alone. Two checkpoints of one layout (a
     fine-tune and its base, two random test models) would share the entry, and the second run would
     multiply by the first one's weights. The kernels this module registers (`cpu_bf16_dot`, the
-    narrowed tiles) shape the generated code without entering Inductor's key either."""
+    narrowed tiles: their sources and the choice `use_cpu_gemm_template` made) shape the generated
+    code without entering Inductor's key either."""
     from torch._inductor import codecache
     from torch._inductor.freezing_utils import is_frozen_param
 
@@ -197,7 +198,7 @@ def _key_frozen_weights_by_content() -> bool:
 
     def reduce_by_content(self, t):
         if is_frozen_param(t) and not t.is_mkldnn and t.device.type == "cpu":
-            return (_identity, (metadata(t), _weights_digest(t), kernels))
+            return (_identity, (metadata(t), _weights_digest(t), kernels, _kernels_chosen))
         return reduce(self, t)
 
     pickler._reduce_tensor = reduce_by_content
@@ -230,6 +231,7 @@ def _take_template_without_autotuning() -> None:
 
 
 _tiles_chosen = False
+_kernels_chosen: tuple = ()     # (max_tile_rows, bf16_dot) of the first use_cpu_gemm_template call
 
 
 def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS, bf16_dot: bool = True) -> None:
@@ -238,7 +240,7 @@ def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS, bf16_dot: b
     micro-kernel (kernels/cpu_bf16_dot.py; off: Inductor's fp32 one, for `benchmarks/gemm_rows.py`).
     Once per process: the first call's kernels stand. All act only where the C++ template compiles
     a GEMM, and each template source is parsed once per process (`_parse_each_template_once`)."""
-    global _tiles_chosen
+    global _tiles_chosen, _kernels_chosen
     _take_template_without_autotuning()
     _parse_each_template_once()
     _parse_index_expressions_once()
@@ -246,6 +248,7 @@ def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS, bf16_dot: b
         CPU_FROZEN_SETTINGS["fx_graph_cache"] = False
     if not _tiles_chosen:
         _tiles_chosen = True
+        _kernels_chosen = (max_tile_rows, bf16_dot)
         if max_tile_rows is not None:
             _narrow_register_tiles(max_tile_rows)
         if bf16_dot:
