@@ -182,8 +182,8 @@ class StepFunctions:
         # frozen with the C++ template: 19-22 and 30. Batch 8, not frozen / frozen with the
         # template: 8 rows 76.8 / 48.5; 32 rows 181.8 / 163.5; 64 rows 288.7 / 272.2 (oneDNN's
         # prepacking alone had made 16 rows slower frozen). So freeze every CPU step of up to 64
-        # slots. Not on CUDA: nothing is prepacked there, and frozen graphs bypass Inductor's
-        # on-disk graph cache.
+        # slots. Not on CUDA: nothing is prepacked there, and the graph cache's key knows the
+        # values of frozen weights on CPU only (cpu_gemm.py).
         self.frozen = freezes(device, state.pending.shape[0])
         if self.frozen:
             use_cpu_gemm_template()
