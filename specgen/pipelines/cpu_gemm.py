@@ -6,8 +6,8 @@ under `CPU_FROZEN_SETTINGS` take the C++ template without autotuning, with regis
 has (the template accumulates each output row over k in the same order whatever the tile, as long
 as it never splits k across threads: `cpp.gemm_max_k_slices` is pinned to 1, its default, since
 whether it splits depends on the rows), which is what makes a token verified beside drafts the
-token plain decoding computes. It also lets Inductor's graph cache serve frozen graphs, keyed by the
-values of the weights they fold in.
+token plain decoding computes. It also lets Inductor's graph cache serve float32 frozen graphs,
+keyed by the values of the weights they fold in.
 
 Why the template: a step's GEMMs have few rows (K + 1 per slot), a shape oneDNN/MKL run far from the
 memory bound: on 2 cores, SmolLM2's fp32 GEMMs took 67 ms at 4 rows against 33 ms at 1 row (frozen,
@@ -32,13 +32,14 @@ Intel's AMX path (bf16 on Xeons with AMX) is another micro-kernel, left as Induc
 CPUs with AVX512-BF16 and no AMX (AMD Zen 4), bf16 takes neither: `kernels/cpu_bf16_dot.py`, which
 `use_cpu_gemm_template()` registers, multiplies it in bf16 (the tile sizes above then concern float32).
 
-Why frozen steps can come from Inductor's graph cache (`_keep_linear_weights_unpacked`,
-`_key_frozen_weights_by_content`): a run of weights, dtype and variant compiled before loads the whole
-graph instead of lowering it again (SmolLM2's plain step, float32, 2 Intel Xeon Skylake-SP cores:
+Why float32 frozen steps can come from Inductor's graph cache (`_keep_float32_linear_weights_unpacked`,
+`_key_frozen_weights_by_content`): a run of weights, variant and float32 compiled before loads the
+whole graph instead of lowering it again (SmolLM2's plain step, 2 Intel Xeon Skylake-SP cores:
 89-105 s -> 37-45 s with the kernels cached either way). That needs the linear weights left unpacked
-(oneDNN's packed tensors cannot be pickled) and a key that knows the weights' values: the cache
-entry holds the template's packed copy of each one. Where either hook is missing, frozen steps
-stay out of the graph cache (`fx_graph_cache` off in CPU_FROZEN_SETTINGS).
+(packed ones cannot be pickled) and a key that knows the weights' values: the cache entry holds the
+template's packed copy of each one. Where either hook is missing, frozen steps stay out of the
+graph cache (`fx_graph_cache` off in CPU_FROZEN_SETTINGS). bf16 steps stay packed, and uncached:
+the packing pass also fixes where they round (`_keep_float32_linear_weights_unpacked`).
 
 Why the templates are parsed once (`_parse_each_template_once`): Inductor renders the template's C++
 from Jinja sources and parses each source again at every render, for every GEMM of the graph (211
@@ -143,25 +144,59 @@ def _parse_index_expressions_once() -> bool:
 
 
 @functools.cache
-def _keep_linear_weights_unpacked() -> bool:
-    """Stop Inductor's freezing passes from packing each linear weight for oneDNN / MKL (their
-    `_mkldnn_weight_pack_init` patterns; they register once per process, at the first frozen
-    compile). Returns False where Inductor has no such hook (its packing then stands).
+def _keep_float32_linear_weights_unpacked() -> bool:
+    """Stop Inductor's freezing passes from packing float32 linear weights for MKL: its weight-pack
+    patterns (`_mkldnn_weight_pack_init`, registered once per process at the first frozen compile)
+    get their `_is_packable_linear` check wrapped to decline float32 weights. Returns False where
+    Inductor's registry is not as expected (its packing then stands; such graphs stay uncached).
 
-    The C++ template packs its own copy of the weight and drops oneDNN's, so the packing bought
-    nothing, and cost the graph cache: a packed oneDNN weight cannot be pickled, so Inductor's graph
-    cache passed over every frozen step ("mkldnn tensors unpickleable") and each run lowered and
-    generated the whole step again (SmolLM2's plain step, float32, Intel Xeon Skylake-SP: 89-105 s
-    with the kernels already built, against 37-45 s from the graph cache). Unpacked, a linear lowers through
-    `mm` with its constant weight, which takes the same template (`_template_when_possible`)."""
+    The C++ template packs its own copy of the weight and drops the pass's, so in float32 the
+    packing bought nothing (the plain step's generated code is the same, kernel for kernel), and cost
+    the graph cache: the packed tensor cannot be pickled, so Inductor's graph cache passed over every
+    frozen step ("mkldnn tensors unpickleable") and each run lowered and generated the whole step
+    again (SmolLM2's plain step, float32, Intel Xeon Skylake-SP: 89-105 s with the kernels already
+    built, against 37-45 s from the graph cache). Unpacked, a linear lowers through `mm` with its
+    constant weight, which takes the same template (`_template_when_possible`).
+    bf16 stays packed: there the pass also fuses a linear with the residual add that follows it
+    (oneDNN's binary post-op, rounded once), and without it the rounding points of a bf16 step
+    depended on its rows: a verified token no longer had plain decoding's bits (seen in
+    test_compiled_speculative_step_equals_plain_decoding_in_bfloat16)."""
     try:
-        from torch._inductor.fx_passes import mkldnn_fusion
+        from torch._inductor.fx_passes import freezing_patterns, mkldnn_fusion
     except ImportError:
         return False
-    if not callable(getattr(mkldnn_fusion, "_mkldnn_weight_pack_init", None)):
+    init = getattr(mkldnn_fusion, "_mkldnn_weight_pack_init", None)
+    passes = getattr(freezing_patterns, "pass_patterns", None)
+    if not callable(init) or not isinstance(passes, list):
         return False
-    mkldnn_fusion._mkldnn_weight_pack_init = lambda: None
+
+    def init_declining_float32() -> None:
+        init()
+        for patterns in passes:
+            for entries in getattr(patterns, "patterns", {}).values():
+                for entry in entries:
+                    check = getattr(entry, "extra_check", None)
+                    if getattr(check, "__name__", "") == "_is_packable_linear":
+                        object.__setattr__(entry, "extra_check", _declining_float32(check))
+
+    mkldnn_fusion._mkldnn_weight_pack_init = init_declining_float32
     return True
+
+
+def _declining_float32(check):
+    """`check` (a linear-packing pattern's test) that declines float32 weights."""
+    import torch
+
+    def packable(match) -> bool:
+        linear = match.output_node()
+        weight = linear.args[2 if linear.target is torch.ops.aten.addmm.default else 1]
+        value = getattr(weight, "meta", {}).get("val")
+        if value is not None and value.dtype == torch.float32:
+            return False
+        return check(match)
+
+    packable.__name__ = "_is_packable_linear_unless_float32"
+    return packable
 
 
 def _weights_digest(t) -> str:
@@ -244,7 +279,7 @@ def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS, bf16_dot: b
     _take_template_without_autotuning()
     _parse_each_template_once()
     _parse_index_expressions_once()
-    if not (_keep_linear_weights_unpacked() and _key_frozen_weights_by_content()):
+    if not (_keep_float32_linear_weights_unpacked() and _key_frozen_weights_by_content()):
         CPU_FROZEN_SETTINGS["fx_graph_cache"] = False
     if not _tiles_chosen:
         _tiles_chosen = True
