@@ -28,8 +28,8 @@ Variants are few by construction:
 - the prefill is compiled with dynamic shapes (rows and padded length), without CUDA graphs, where
   it pays (CUDA); on CPU its large GEMMs gain little from Inductor and it stays eager.
 Inductor's on-disk caches live under the directory the caller gives (`$SPECGEN_CACHE/compiled`), so
-a second run of the same recipe reuses compiled code: whole graphs, frozen ones included (keyed by
-their weights' values: cpu_gemm.py), and the generated kernels. Its graph cache there keeps the most
+a second run of the same recipe reuses compiled code: whole graphs (frozen ones in float32 only,
+keyed by their weights' values: cpu_gemm.py), and the generated kernels. Its graph cache there keeps the most
 recent entries up to `GRAPH_CACHE_MAX_BYTES` (`prune_graph_cache`, at each compiled run's start).
 """
 
