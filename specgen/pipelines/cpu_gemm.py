@@ -52,6 +52,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import inspect
+import sys
 
 from specgen.kernels.cpu_bf16_dot import register_bf16_dot_kernel
 
@@ -130,15 +133,14 @@ def _parse_index_expressions_once() -> bool:
     from torch._inductor.codegen import cpp_template_kernel as module
 
     parse = getattr(module, "parse_expr_with_index_symbols", None)
-    if parse is None or getattr(parse, "_specgen_memo", False):
-        return parse is not None
+    if parse is None:
+        return False
     parse_text = functools.lru_cache(maxsize=4096)(lambda text: parse(text))
 
     def parse_memoised(expr):
         # lists recurse through the module's name, so every element comes back here
         return parse_text(expr) if isinstance(expr, str) else parse(expr)
 
-    parse_memoised._specgen_memo = True
     module.parse_expr_with_index_symbols = parse_memoised
     return True
 
@@ -201,8 +203,6 @@ def _declining_float32(check):
 
 def _weights_digest(t) -> str:
     """A digest of a CPU tensor's bytes (blake2b, 16 bytes; hashlib releases the GIL on large buffers)."""
-    import hashlib
-
     import torch
 
     data = t.detach().contiguous().view(-1).view(torch.uint8)
@@ -246,10 +246,6 @@ def _identity(x):
 
 def _kernel_sources_digest() -> str:
     """A digest of the sources that shape a frozen step's generated code beyond Inductor's own."""
-    import hashlib
-    import inspect
-    import sys
-
     from specgen.kernels import cpu_bf16_dot
 
     h = hashlib.blake2b(digest_size=16)
