@@ -73,7 +73,8 @@ def choose_threads(requested: int | None) -> tuple[int, str]:
     return threads, f"{cpus} CPUs free"
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The instruction-set flags /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -87,11 +88,11 @@ def _cpu_flags() -> set[str]:
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): there bf16 GEMMs run
     2-3x faster than fp32 (measured on this project's 2-core EPYC)."""
-    return bool(_cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def cpu_has_avx512() -> bool:
     """Whether this CPU has the AVX-512 subsets Inductor's AVX-512 code needs (F, BW, DQ, VL): there
     specgen's compiled bf16 GEMMs run on a kernel of their own, native or converting
     (kernels/cpu_bf16_dot.py)."""
-    return {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= _cpu_flags()
+    return {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= cpu_flags()

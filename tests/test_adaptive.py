@@ -659,3 +659,34 @@ def test_a_job_compiles_only_the_variants_it_can_repay(checkpoints):
     assert not any(short.verify_ready(t) for t in (2, 3, 4))
     long = warmed_auto(10**9)
     assert long.functions.verify_ready(1) and len(long.functions.compiled_ks) == 1
+
+
+def test_a_plain_step_loaded_from_the_graph_cache_does_not_make_variants_look_cheap(checkpoints, monkeypatch):
+    """profile._cold_compile_seconds: a re-run that loads its plain step from Inductor's graph cache
+    knows it did (`StepFunctions.from_graph_cache`) and estimates the variants it has not compiled
+    from what lowering them anew takes, not from that load (3x too little: a short job would have
+    compiled a variant it cannot repay)."""
+    from torch._inductor.utils import fresh_cache
+
+    from specgen.pipelines import profile
+
+    monkeypatch.setattr(profile, "MIN_COMPILE_SECONDS", 0.0)
+    # the threads a runner takes depend on the machine's load, and the kernels (so the cache key) on them
+    monkeypatch.setattr("specgen.job.choose_threads", lambda requested: (1, "pinned by the test"))
+
+    def warmed() -> Runner:
+        torch._dynamo.reset()
+        runner = compiled_runner(checkpoints, AdaptivePolicy(3, [0.95] * 3, horizon_tokens=10))
+        runner.warm_up()
+        return runner
+
+    with fresh_cache():
+        first, again = warmed(), warmed()
+    assert first.functions.from_graph_cache == set()
+    assert again.functions.from_graph_cache == {("verify", 1)}
+    for runner, factor in ((first, 1.0), (again, profile.COLD_OVER_CACHED_COMPILE)):
+        functions, estimates = runner.functions, runner.policy.compile_estimate
+        assert functions.compiled_ks == set() and set(estimates) == {1, 2, 3}
+        plain = functions.compile_seconds[("verify", 1)]
+        # the verify as the plain step's compile (cold), the draft adding at most as much again
+        assert all(factor * plain <= estimates[k] <= 2 * factor * plain for k in (1, 2, 3))

@@ -122,33 +122,49 @@ def test_a_frozen_cpu_compile_parses_each_gemm_template_source_once(monkeypatch,
     assert parses == []
 
 
-def test_a_frozen_step_comes_from_the_graph_cache_only_for_the_same_weights():
-    """cpu_gemm: Inductor's graph cache serves a frozen CPU graph (a second compile of the same
-    weights is a hit), and two modules of one layout with other weights never share an entry:
-    the entry holds the C++ template's packed weights by value, while Inductor keys frozen weights by
-    dtype and shape alone (a fine-tune would have run with its base model's weights)."""
+class _ResidualMLP(torch.nn.Module):
+    """x + down(silu(up(x))): in bf16 Inductor's freezing passes pack both weights for oneDNN and
+    fuse the residual add into the second linear (the graphs Inductor's cache used to turn away)."""
+
+    def __init__(self, seed: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.up = torch.nn.Linear(64, 96, bias=False, dtype=dtype)
+        self.down = torch.nn.Linear(96, 64, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.silu(self.up(x)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_frozen_step_comes_from_the_graph_cache_only_for_the_same_weights(dtype):
+    """cpu_gemm: Inductor's graph cache serves a frozen CPU graph, float32 or bf16 (whose weights
+    oneDNN packs): a second compile of the same weights is a hit and computes the same bits, and two
+    modules of one layout with other weights never share an entry: the entry holds the C++
+    template's packed weights by value, while Inductor keys frozen weights by dtype and shape alone
+    (a fine-tune would have run with its base model's weights)."""
     from torch._inductor.utils import fresh_cache
 
     from specgen.pipelines.compiled import compile_frozen_on_cpu
 
-    def mlp(seed: int) -> torch.nn.Module:
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False), torch.nn.SiLU(),
-                                   torch.nn.Linear(96, 64, bias=False)).eval()
-
-    x = torch.randn(3, 64)
-    seen = {}
+    x = torch.randn(3, 64, dtype=dtype)
+    seen, outs = {}, {}
     with fresh_cache(), torch.inference_mode():
         for name, seed in [("first", 0), ("same weights", 0), ("other weights", 1)]:
-            module = mlp(seed)
+            module = _ResidualMLP(seed, dtype).eval()
             torch._dynamo.reset()
             counters.clear()
-            out = compile_frozen_on_cpu(module.forward)(x)
-            torch.testing.assert_close(out, module(x), rtol=1e-4, atol=1e-5)
+            outs[name] = compile_frozen_on_cpu(module.forward)(x)
+            tolerance = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+            torch.testing.assert_close(outs[name], module(x), **tolerance)
             seen[name] = dict(counters["inductor"])
     assert seen["first"]["fxgraph_cache_miss"] == 1 and seen["first"]["cpp_templated_kernel_counter"] == 2
     assert seen["same weights"]["fxgraph_cache_hit"] == 1 and "fxgraph_cache_miss" not in seen["same weights"]
+    assert torch.equal(outs["same weights"], outs["first"])
     assert seen["other weights"]["fxgraph_cache_miss"] == 1
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # the graph held oneDNN-packed weights: what the cache now lets in
+        assert seen["first"]["mkldnn_linear_weight_pack_matcher_count"] == 2
 
 
 def test_the_graph_cache_keeps_its_newest_entries_within_its_cap(tmp_path):

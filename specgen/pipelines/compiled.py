@@ -28,8 +28,8 @@ Variants are few by construction:
 - the prefill is compiled with dynamic shapes (rows and padded length), without CUDA graphs, where
   it pays (CUDA); on CPU its large GEMMs gain little from Inductor and it stays eager.
 Inductor's on-disk caches live under the directory the caller gives (`$SPECGEN_CACHE/compiled`), so
-a second run of the same recipe reuses compiled code: whole graphs (frozen ones in float32 only,
-keyed by their weights' values: cpu_gemm.py), and the generated kernels. Its graph cache there keeps the most
+a second run of the same recipe reuses compiled code: whole graphs (frozen ones keyed by their
+weights' values: cpu_gemm.py), and the generated kernels. Its graph cache there keeps the most
 recent entries up to `GRAPH_CACHE_MAX_BYTES` (`prune_graph_cache`, at each compiled run's start).
 """
 
@@ -57,6 +57,11 @@ CPU_FREEZE_MAX_SLOTS = 64
 def _graphs_compiled() -> int:
     """Graphs Dynamo has compiled in this process (a counter it keeps; read per call, about 0.1 us)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _graph_cache_hits() -> int:
+    """Graphs Inductor has loaded from its graph cache in this process instead of lowering them."""
+    return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
 
 
 def freezes(device: torch.device, slots: int) -> bool:
@@ -170,6 +175,8 @@ class StepFunctions:
         self._steps: dict[int, object] = {}             # k -> the compiled step of k drafts (draft + verify)
         # ("step", k), ("verify", t): the first call; ("recompile", that name): later calls that compiled
         self.compile_seconds: dict = {}
+        # the names whose compile loaded Inductor's graph cache (3-3.4x faster than lowering anew)
+        self.from_graph_cache: set = set()
         self._prefill = unified.prefill
         self.prefill_compiled = False
         self.frozen = False
@@ -299,6 +306,7 @@ class StepFunctions:
             return fn(*args)
         first = name not in self.compile_seconds
         graphs = _graphs_compiled()
+        hits = _graph_cache_hits() if first else 0
         start = time.perf_counter()
         out = fn(*args)
         if not first and _graphs_compiled() == graphs:
@@ -307,6 +315,8 @@ class StepFunctions:
             torch.cuda.synchronize(self.device)
         key = name if first else ("recompile", name)
         self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + time.perf_counter() - start
+        if first and _graph_cache_hits() > hits:
+            self.from_graph_cache.add(name)
         return out
 
     def use_slots(self, slots: int) -> None:

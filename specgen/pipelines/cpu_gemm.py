@@ -32,14 +32,15 @@ Intel's AMX path (bf16 on Xeons with AMX) is another micro-kernel, left as Induc
 CPUs with AVX512-BF16 and no AMX (AMD Zen 4), bf16 takes neither: `kernels/cpu_bf16_dot.py`, which
 `use_cpu_gemm_template()` registers, multiplies it in bf16 (the tile sizes above then concern float32).
 
-Why float32 frozen steps can come from Inductor's graph cache (`_keep_float32_linear_weights_unpacked`,
-`_key_frozen_weights_by_content`): a run of weights, variant and float32 compiled before loads the
+Why frozen steps can come from Inductor's graph cache (`_key_frozen_weights_by_content`,
+`_keep_float32_linear_weights_unpacked`): a run of weights and variant compiled before loads the
 whole graph instead of lowering it again (SmolLM2's plain step, 2 Intel Xeon Skylake-SP cores:
-89-105 s -> 37-45 s with the kernels cached either way). That needs the linear weights left unpacked
-(packed ones cannot be pickled) and a key that knows the weights' values: the cache entry holds the
-template's packed copy of each one. Where either hook is missing, frozen steps stay out of the
-graph cache (`fx_graph_cache` off in CPU_FROZEN_SETTINGS). bf16 steps stay packed, and uncached:
-the packing pass also fixes where they round (`_keep_float32_linear_weights_unpacked`).
+float32 89-105 s -> 37-45 s with the kernels cached either way; bf16 141 -> 41 s). That needs a key
+that knows the weights' values (the cache entry holds the template's packed copy of each one) and
+lets in the weights oneDNN packed (Inductor turns such graphs away: they cannot be pickled, though
+the entry never holds them). float32 weights are not packed at all: it bought nothing there. Where
+a hook is missing, frozen steps stay out of the graph cache (`fx_graph_cache` off in
+CPU_FROZEN_SETTINGS).
 
 Why the templates are parsed once (`_parse_each_template_once`): Inductor renders the template's C++
 from Jinja sources and parses each source again at every render, for every GEMM of the graph (211
@@ -150,15 +151,14 @@ def _keep_float32_linear_weights_unpacked() -> bool:
     """Stop Inductor's freezing passes from packing float32 linear weights for MKL: its weight-pack
     patterns (`_mkldnn_weight_pack_init`, registered once per process at the first frozen compile)
     get their `_is_packable_linear` check wrapped to decline float32 weights. Returns False where
-    Inductor's registry is not as expected (its packing then stands; such graphs stay uncached).
+    Inductor's registry is not as expected (its packing then stands).
 
     The C++ template packs its own copy of the weight and drops the pass's, so in float32 the
-    packing bought nothing (the plain step's generated code is the same, kernel for kernel), and cost
-    the graph cache: the packed tensor cannot be pickled, so Inductor's graph cache passed over every
-    frozen step ("mkldnn tensors unpickleable") and each run lowered and generated the whole step
-    again (SmolLM2's plain step, float32, Intel Xeon Skylake-SP: 89-105 s with the kernels already
-    built, against 37-45 s from the graph cache). Unpacked, a linear lowers through `mm` with its
-    constant weight, which takes the same template (`_template_when_possible`).
+    packing bought nothing (the plain step's generated code is the same, kernel for kernel), and it
+    kept the graph away from Inductor's cache, which turns away packed tensors (now let in,
+    `_key_frozen_weights_by_content`, at the price of reading each one back to dense values for the
+    key). Unpacked, a linear lowers through `mm` with its constant weight, which takes the same
+    template (`_template_when_possible`).
     bf16 stays packed: there the pass also fuses a linear with the residual add that follows it
     (oneDNN's binary post-op, rounded once), and without it the rounding points of a bf16 step
     depended on its rows: a verified token no longer had plain decoding's bits (seen in
@@ -212,31 +212,54 @@ def _weights_digest(t) -> str:
 @functools.cache
 def _key_frozen_weights_by_content() -> bool:
     """Make Inductor's graph-cache key of a frozen graph depend on its weights' VALUES (and on this
-    module's kernels), not only on their shapes. Returns False where Inductor's key is not built as
-    expected: the graph cache is then turned off for frozen steps (`CPU_FROZEN_SETTINGS`).
+    module's kernels and the CPU's instruction sets), not only on their shapes, and let graphs that
+    hold oneDNN-packed weights in. Returns False where Inductor's key is not built as expected: the
+    graph cache is then turned off for frozen steps (`CPU_FROZEN_SETTINGS`).
 
-    Why: a frozen graph's cache entry holds the C++ template's packed copy of every weight, by value,
-    while its key describes frozen weights by dtype and shape alone. Two checkpoints of one layout (a
-    fine-tune and its base, two random test models) would share the entry, and the second run would
-    multiply by the first one's weights. The kernels this module registers (`cpu_bf16_dot`, the
-    narrowed tiles: their sources and the choice `use_cpu_gemm_template` made) shape the generated
-    code without entering Inductor's key either."""
+    Why the values: a frozen graph's cache entry holds the C++ template's packed copy of every
+    weight, by value, while its key describes frozen weights by dtype and shape alone. Two
+    checkpoints of one layout (a fine-tune and its base, two random test models) would share the
+    entry, and the second run would multiply by the first one's weights. The kernels this module
+    registers (`cpu_bf16_dot`, the narrowed tiles: their sources and the choice
+    `use_cpu_gemm_template` made) shape the generated code without entering Inductor's key either,
+    and which of them runs depends on the CPU (AVX512-BF16 or not): a cache moved to another CPU
+    must miss rather than load code it cannot run.
+
+    Why packed weights: in bf16 the freezing passes still pack each linear weight for oneDNN (what
+    fixes a bf16 step's rounding points: `_keep_float32_linear_weights_unpacked`), and Inductor
+    turns away any graph holding such a tensor ("mkldnn tensors unpickleable"), so every bf16 run
+    (`target.dtype: auto` on AVX-512 CPUs, a bf16 draft) lowered its step anew. The template packs
+    its own copy and the entry never holds oneDNN's; only the key has to describe it, here by its
+    dense values. Were a graph to keep calling oneDNN with it, saving the entry would fail to
+    pickle, which Inductor counts (`fxgraph_cache_pickle_error`) and passes over."""
     from torch._inductor import codecache
     from torch._inductor.freezing_utils import is_frozen_param
+
+    from specgen.machine import cpu_flags
 
     pickler = getattr(codecache, "FxGraphCachePickler", None)
     reduce = getattr(pickler, "_reduce_tensor", None) if pickler is not None else None
     metadata = getattr(codecache, "extract_tensor_metadata_for_cache_key", None)
-    if reduce is None or metadata is None:
+    validator = getattr(codecache, "CacheabilityValidator", None)
+    check_tensor = getattr(validator, "check_tensor", None) if validator is not None else None
+    if reduce is None or metadata is None or check_tensor is None:
         return False
     kernels = _kernel_sources_digest()
+    instruction_sets = hashlib.blake2b(" ".join(sorted(cpu_flags())).encode(), digest_size=16).hexdigest()
 
     def reduce_by_content(self, t):
-        if is_frozen_param(t) and not t.is_mkldnn and t.device.type == "cpu":
-            return (_identity, (metadata(t), _weights_digest(t), kernels, _kernels_chosen))
+        if t.device.type == "cpu" and (t.is_mkldnn or is_frozen_param(t)):
+            dense = t.to_dense() if t.is_mkldnn else t
+            return (_identity, (metadata(dense), t.is_mkldnn, _weights_digest(dense), kernels,
+                                _kernels_chosen, instruction_sets))
         return reduce(self, t)
 
+    def check_tensor_letting_packed_weights_in(t) -> None:
+        if not t.is_mkldnn:
+            check_tensor(t)
+
     pickler._reduce_tensor = reduce_by_content
+    validator.check_tensor = staticmethod(check_tensor_letting_packed_weights_in)
     return True
 
 
@@ -275,7 +298,8 @@ def use_cpu_gemm_template(max_tile_rows: int | None = MAX_TILE_ROWS, bf16_dot: b
     _take_template_without_autotuning()
     _parse_each_template_once()
     _parse_index_expressions_once()
-    if not (_keep_float32_linear_weights_unpacked() and _key_frozen_weights_by_content()):
+    _keep_float32_linear_weights_unpacked()
+    if not _key_frozen_weights_by_content():
         CPU_FROZEN_SETTINGS["fx_graph_cache"] = False
     if not _tiles_chosen:
         _tiles_chosen = True

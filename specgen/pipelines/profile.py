@@ -7,7 +7,8 @@ advances; every write lands in scratch entries) and:
   when steps run eagerly);
 - for the variants that would need compiling, estimates their compiled time (the eager time of
   their draft and verify, scaled by the plain step's compiled/eager ratio) and their compile time
-  (the verify: what the plain step's took; the draft: that, scaled by how much smaller its work is);
+  (the verify: what the plain step's took, or would have taken from nothing where it came from
+  Inductor's graph cache; the draft: that, scaled by how much smaller its work is);
 - gives the policy `cost(k)`, the step's time, for every k (and, where it is only estimated, its
   floor `verify(1) + draft(k)`), and compiles now the variant
   that the card's acceptance says the job repays (`AdaptivePolicy.worth_compiling`: the time it is
@@ -28,6 +29,10 @@ from specgen.pipelines.policy import AdaptivePolicy, SlotView
 
 REPEATS = 3
 MIN_COMPILE_SECONDS = 5.0
+# A step lowered and built from nothing against the same step loaded from Inductor's graph cache
+# (`benchmarks/compile_time.py`, SmolLM2's plain step, 2 Intel Xeon Skylake-SP cores: float32
+# 131-133 s against 37-45 s, bf16 141 against 41 s).
+COLD_OVER_CACHED_COMPILE = 3.0
 
 
 def _time(device: torch.device, call, repeats: int = REPEATS) -> float:
@@ -45,6 +50,15 @@ def _time(device: torch.device, call, repeats: int = REPEATS) -> float:
     return statistics.median(seconds)
 
 
+def _cold_compile_seconds(functions: StepFunctions, name: tuple) -> float:
+    """What compiling `name` took, or, where it was loaded from Inductor's graph cache, what
+    lowering it anew would take: the estimate for variants this cache may not hold (a re-run that
+    loaded its plain step in 40 s would otherwise expect a variant never compiled to take that
+    long, not the 130 s it takes, and compile it for a job that cannot repay it)."""
+    seconds = functions.compile_seconds.get(name, 0.0)
+    return seconds * COLD_OVER_CACHED_COMPILE if name in functions.from_graph_cache else seconds
+
+
 @torch.inference_mode()
 def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slots: int) -> float:
     start = time.perf_counter()
@@ -60,7 +74,7 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
     floor: dict[int, float] = {}
     # compile time estimates: a variant's verify costs what the plain step's did, its draft that
     # scaled by how much smaller the draft's work is
-    verify_compile = max(functions.compile_seconds.get(("verify", 1), 0.0), MIN_COMPILE_SECONDS)
+    verify_compile = max(_cold_compile_seconds(functions, ("verify", 1)), MIN_COMPILE_SECONDS)
     step_compile: dict[int, float] = {}
     if missing:
         # Not compiled yet: eager times, scaled as the plain step scales from eager to compiled.
@@ -101,7 +115,7 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
         policy.set_cost(best, slots, _time(device, lambda: functions.step(kv_len, best + 1, best)))
         # the others from what compiling this variant really took: its verify as the plain step's,
         # its draft in proportion to k
-        measured = functions.compile_seconds.get(("step", best)) or spent
+        measured = _cold_compile_seconds(functions, ("step", best)) or spent
         draft_part = max(0.0, measured - verify_compile)
         step_compile = {k: verify_compile + draft_part * k / best for k in range(1, k_max + 1)}
         estimate_compiles()
