@@ -58,6 +58,7 @@ import inspect
 import sys
 
 from specgen.kernels.cpu_bf16_dot import register_bf16_dot_kernel
+from specgen.machine import cpu_flags
 
 CPU_FROZEN_SETTINGS = {
     "max_autotune_gemm": True,
@@ -234,8 +235,6 @@ def _key_frozen_weights_by_content() -> bool:
     pickle, which Inductor counts (`fxgraph_cache_pickle_error`) and passes over."""
     from torch._inductor import codecache
     from torch._inductor.freezing_utils import is_frozen_param
-
-    from specgen.machine import cpu_flags
 
     pickler = getattr(codecache, "FxGraphCachePickler", None)
     reduce = getattr(pickler, "_reduce_tensor", None) if pickler is not None else None
