@@ -247,6 +247,11 @@ def bench(
     write_json(report, out, " ".join(shlex.quote(a) for a in ["specgen", *sys.argv[1:]]))
     write_png(report, png)
     console.print(f"report: {out}\nplot:   {png}", highlight=False, soft_wrap=True)
+    failures = [m for m in report.measurements if m.error]
+    if failures:    # the others' figures are written; the exit status still says the bench is incomplete
+        console.print(f"[red]{len(failures)} of {len(report.measurements)} measurements failed[/red]",
+                      highlight=False)
+        raise typer.Exit(1)
 
 
 def _sibling_draft_recipes(first: Path, given: list[Path]) -> list[Path]:

@@ -152,3 +152,52 @@ def test_rounds_alternate_their_order_and_speedups_pair_runs_of_one_round():
     assert paired_ratio([30.0, 39.0], [20.0, 26.0]) == pytest.approx(1.5)
     with pytest.raises(ValueError):
         paired_ratio([1.0, 2.0], [1.0])       # every round ran every configuration
+
+
+def test_a_configuration_that_fails_leaves_the_others_figures(tmp_path, monkeypatch):
+    """A variant raising in its warm-up (as `auto` did on the first GPU bench), and one raising in a
+    timed run: each reported with its error, the configurations on its runner failed with it, the
+    rest measured, the JSON written, exit status 1."""
+    import specgen.bench.measure as measure
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    config = tiny_llama_config(vocab_size=300)
+    target = write_llama_checkpoint(tmp_path / "target", config)
+    draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config, draft_vocab_size=200), config)
+    real = measure._run_specgen
+    breaks = {}
+
+    def breaking(runner, prompts, max_tokens, tag):
+        if runner.unified.draft is not None and breaks["when"](tag, runner.policy):
+            raise RuntimeError(breaks["error"])
+        return real(runner, prompts, max_tokens, tag)
+
+    monkeypatch.setattr(measure, "_run_specgen", breaking)
+    eagle3 = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+    args = ("--limit", "2", "--batch-sizes", "1", "--max-tokens", "4", "--repeats", "2", "--baselines", "ar",
+            "--no-split")
+
+    # auto's warm-up: K=1 and K=2 run on auto's runner, so they fail with it
+    breaks.update(when=lambda tag, policy: tag == "warm" and not hasattr(policy, "k"),
+                  error="The size of tensor a (8) must match the size of tensor b (4)\nat dimension 1")
+    result, out = bench(tmp_path, target, eagle3, *args, "--ks", "1,auto")
+    assert result.exit_code == 1, result.output
+    rows = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    auto = rows["eagle3 K=auto (0..4)"]
+    assert auto["error"] == "RuntimeError: The size of tensor a (8) must match the size of tensor b (4)"
+    assert auto["tokens_per_second"] is None and auto["samples"] == [] and auto["speedup_vs_ar"] is None
+    for name in ("eagle3 K=1", "eagle3 K=2"):
+        assert rows[name]["error"] == "the runner it shares with eagle3 K=auto (0..4) failed"
+        assert rows[name]["samples"] == [] and rows[name]["mean_acceptance_length"] is None
+    assert rows["ar"]["error"] is None and len(rows["ar"]["samples"]) == 2 and rows["ar"]["speedup_vs_ar"] == 1.0
+    assert "eagle3 K=auto (0..4) FAILED in its warm-up" in result.output
+    assert "3 of 4 measurements failed" in result.output
+
+    # a timed run of the second round: what the first measured goes too (no half figures)
+    breaks.update(when=lambda tag, policy: tag.startswith("r1"), error="a timed run broke")
+    result, out = bench(tmp_path, target, eagle3, *args)
+    assert result.exit_code == 1, result.output
+    rows = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["eagle3 K=2"]["error"] == "RuntimeError: a timed run broke" and rows["eagle3 K=2"]["samples"] == []
+    assert rows["ar"]["error"] is None and len(rows["ar"]["samples"]) == 2
+    assert "eagle3 K=2 FAILED in run 2" in result.output

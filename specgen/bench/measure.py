@@ -26,6 +26,10 @@ Every output token is counted the same way for all configurations: greedy decodi
 `max_tokens`, so all of them produce the same tokens (the lossless guarantee) and tokens/s compare.
 The one exception is a recipe with `sampling.relaxed_acceptance`: it is lossy inside reasoning spans,
 and its label says so ("eagle3 K=3 relaxed (lossy)").
+A configuration that raises (in its warm-up or a timed run) gets the error in its measurement and no
+figures, and the others go on: the first GPU bench lost its plain-decoding figure to a crash in
+`auto`'s warm-up. The configurations that share its runner fail with it. A bad recipe or checkpoint
+still stops the bench (BenchError).
 """
 
 from __future__ import annotations
@@ -86,10 +90,11 @@ class Measurement:
     speedup_vs_ar: float | None = None
     speedup_vs_hf: float | None = None
     leg_samples: list[float] = field(default_factory=list)   # tokens/s of each leg, in run order
+    error: str | None = None              # why it has no figures: what it raised ("RuntimeError: ...")
 
     @property
-    def tokens_per_second(self) -> float:
-        return statistics.median(self.samples)
+    def tokens_per_second(self) -> float | None:
+        return statistics.median(self.samples) if self.samples else None
 
 
 @dataclass(slots=True)
@@ -246,35 +251,64 @@ def plan_shared_runners(configs) -> dict[str, str]:
 def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolved, base, target, tokenizer,
                     build_runner, status) -> list[Measurement]:
     """Warm-up, interleaved timed repeats, then the eager time split, for one batch size."""
+    from specgen.job import JobError
     from specgen.pipelines.policy import FixedPolicy
 
     runners, measurements, policies = {}, {}, {}
+    failed: dict[str, str] = {}           # config -> its error: no more runs, no figures
     counters: dict[str, SpecCounters | None] = {name: None for name, _, _ in configs}
     steps: dict[str, list[tuple[int, float]]] = {name: [] for name, _, _ in configs}   # (steps, s) per round
     lead_of = plan_shared_runners(configs)
     # leads first: a shared runner is built (with its own policy) before the configs that borrow it
     order = sorted(configs, key=lambda c: lead_of[c[0]] != c[0])
+
+    def fail(name: str, error: str, when: str) -> None:
+        failed[name] = error
+        m = measurements.setdefault(name, Measurement(name, batch, [], 0, 0.0, None))
+        m.error = error
+        m.samples.clear()
+        m.leg_samples.clear()
+        steps[name].clear()
+        counters[name] = None
+        status(f"batch {batch}: {name} FAILED {when}: {error}")
+
+    def fail_runner(name: str, error: str, when: str) -> None:
+        """`name` failed; so do the configurations on its runner, whose state is unknown now."""
+        fail(name, error, when)
+        for other, lead in lead_of.items():
+            if lead == lead_of[name] and other not in failed:
+                fail(other, f"the runner it shares with {name} failed", "with it")
+
     try:
         for name, recipe, checkpoints in order:
+            lead = lead_of[name]
+            if name in failed:
+                continue                        # its runner failed with another configuration
             status(f"batch {batch}: warming up {name}")
             start = time.perf_counter()
-            lead = lead_of[name]
-            if recipe is None:
-                from specgen.bench.hf import HFProcess
+            try:
+                if recipe is None:
+                    from specgen.bench.hf import HFProcess
 
-                runners[name] = HFProcess(resolved.target_folder, resolved.device, resolved.dtype,
-                                          base.sampling.ignore_eos, torch.get_num_threads())
-                runners[name].generate(prompts[:batch], batch, options.max_tokens)
-            else:
-                if lead == name:
-                    runners[name] = _specgen_runner(recipe, checkpoints, batch, options, prompts, target,
-                                                    tokenizer, build_runner)
-                    policies[name] = runners[name].policy
+                    runners[name] = HFProcess(resolved.target_folder, resolved.device, resolved.dtype,
+                                              base.sampling.ignore_eos, torch.get_num_threads())
+                    runners[name].generate(prompts[:batch], batch, options.max_tokens)
                 else:
-                    runners[name] = runners[lead]
-                    policies[name] = FixedPolicy(int(recipe.draft.num_speculative_tokens))
-                runners[name].use_policy(policies[name])
-                _run_specgen(runners[name], prompts[:batch], options.max_tokens, "warm")
+                    if lead == name:
+                        runners[name] = _specgen_runner(recipe, checkpoints, batch, options, prompts, target,
+                                                        tokenizer, build_runner)
+                        policies[name] = runners[name].policy
+                    else:
+                        runners[name] = runners[lead]
+                        policies[name] = FixedPolicy(int(recipe.draft.num_speculative_tokens))
+                    runners[name].use_policy(policies[name])
+                    _run_specgen(runners[name], prompts[:batch], options.max_tokens, "warm")
+            except (JobError, CheckpointError, ValueError):
+                raise                           # the recipe or its checkpoints: bench's own error
+            except Exception as err:            # noqa: BLE001 -- this configuration's failure, reported
+                fail_runner(name, _describe(err), "in its warm-up")
+                measurements[name].warmup_seconds = time.perf_counter() - start
+                continue
             measurements[name] = Measurement(name, batch, [], 0, time.perf_counter() - start,
                                              runners[name].compiled,
                                              shares_runner_of=lead if lead != name else None)
@@ -285,28 +319,36 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             done = {name: [0, 0.0] for name, _, _ in configs}          # a round's tokens and seconds
             for leg, (a, b) in enumerate(legs):
                 for name, recipe, _ in round_order(configs, repeat * len(legs) + leg):   # see round_order
+                    if name in failed:
+                        continue
                     part = f", prompts {a + 1}-{b}" if len(legs) > 1 else ""
                     status(f"batch {batch}: {name}, run {repeat + 1} of {options.repeats}{part}")
                     m = measurements[name]
                     _reset_peak_memory(resolved.device)
-                    if recipe is None:
-                        tokens, seconds = runners[name].generate(prompts[a:b], batch, options.max_tokens)
-                    else:
-                        runners[name].use_policy(policies[name])
-                        totals, seconds = _run_specgen(runners[name], prompts[a:b], options.max_tokens,
-                                                       f"r{repeat}-{leg}")
-                        tokens = totals.output_tokens
-                        steps[name].append((totals.steps, totals.step_seconds))
-                        if totals.spec.num_speculative_tokens:
-                            if counters[name] is None:  # a fixed K on a shared runner counts its own K
-                                k = recipe.draft.num_speculative_tokens
-                                counters[name] = SpecCounters(int(k) if isinstance(k, int) else 0)
-                            counters[name].merge(totals.spec.narrowed(counters[name].num_speculative_tokens))
+                    try:
+                        if recipe is None:
+                            tokens, seconds = runners[name].generate(prompts[a:b], batch, options.max_tokens)
+                        else:
+                            runners[name].use_policy(policies[name])
+                            totals, seconds = _run_specgen(runners[name], prompts[a:b], options.max_tokens,
+                                                           f"r{repeat}-{leg}")
+                            tokens = totals.output_tokens
+                            steps[name].append((totals.steps, totals.step_seconds))
+                            if totals.spec.num_speculative_tokens:
+                                if counters[name] is None:  # a fixed K on a shared runner counts its own K
+                                    k = recipe.draft.num_speculative_tokens
+                                    counters[name] = SpecCounters(int(k) if isinstance(k, int) else 0)
+                                counters[name].merge(totals.spec.narrowed(counters[name].num_speculative_tokens))
+                    except Exception as err:        # noqa: BLE001 -- as in the warm-up
+                        fail_runner(name, _describe(err), f"in run {repeat + 1}")
+                        continue
                     m.leg_samples.append(tokens / seconds)
                     done[name][0] += tokens
                     done[name][1] += seconds
                     m.peak_memory_bytes = max(m.peak_memory_bytes or 0, _peak_memory(resolved.device))
             for name, _, _ in configs:
+                if name in failed:
+                    continue
                 m = measurements[name]
                 tokens, seconds = done[name]
                 m.samples.append(tokens / seconds)
@@ -326,6 +368,8 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             runner.close()
     for name, recipe, checkpoints in configs:
         m = measurements[name]
+        if name in failed:
+            continue
         if counters[name] is not None:
             m.spec = counters[name].to_dict()
         if name in policies and not isinstance(policies[name], FixedPolicy):
@@ -336,9 +380,12 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             status(f"batch {batch}: time split of {name} (eager)")
             m.split_ms = _time_split(recipe, checkpoints, batch, options, prompts, target, tokenizer,
                                      build_runner)
-    ar, hf = measurements.get("ar"), measurements.get("hf")
+    # a failed baseline leaves the others without a ratio, not without their own figures
+    ar, hf = (measurements.get(b) if b not in failed else None for b in ("ar", "hf"))
     per_step = {name: [s / max(1, n) for n, s in runs] for name, runs in steps.items()}   # s a step, by leg
     for m in measurements.values():
+        if m.error:
+            continue
         if ar is not None:
             m.speedup_vs_ar = paired_ratio(m.leg_samples, ar.leg_samples)
             if per_step[m.config] and per_step["ar"]:
@@ -346,6 +393,12 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
         if hf is not None:
             m.speedup_vs_hf = paired_ratio(m.leg_samples, hf.leg_samples)
     return list(measurements.values())
+
+
+def _describe(err: BaseException) -> str:
+    """One line for a configuration's failure: the exception's type and its message's first line."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    return f"{type(err).__name__}: {first}" if first else type(err).__name__
 
 
 def prompt_legs(prompts: int, batch: int, chunk: int | None = None) -> list[tuple[int, int]]:
