@@ -1,5 +1,8 @@
 """GPU checks (skipped without CUDA): bf16, every draft type, the step compiled and captured as a CUDA
 graph with the Triton kernels (verify, attention) inside it, and a large ragged batch with refills.
+float32 runs must give the same tokens; bf16 greedy runs the same tokens or tokens that part only at
+a near-tie (tests/rounding.py: the first H200 run, 2026-11-28, found bf16 runs parting and did not
+show where); the other bf16 checks stay exact and report each request's first difference.
 
 Run on a GPU machine with `python -m pytest -m gpu -q` (conftest.py leaves TRITON_INTERPRET unset
 there, so the kernels compile for real)."""
@@ -10,6 +13,7 @@ import pytest
 import torch
 from checkpoints import write_eagle3_checkpoint, tiny_eagle3_config, tiny_llama_config, write_llama_checkpoint
 from checkpoints_dflash import tiny_dflash_config, write_dflash_checkpoint
+from rounding import first_differences, rounding_problems
 from test_speculative import prompts, run
 
 from specgen.job import build_runner, resolve
@@ -63,13 +67,13 @@ def test_bf16_greedy_speculative_equals_plain_in_cuda_graphs(checkpoints, method
     plain, _ = tokens_of(cuda_recipe(checkpoints), ids)
     spec, totals = tokens_of(cuda_recipe(checkpoints, method), ids)
     assert totals.spec.num_drafts > 0
-    assert spec == plain, divergence(spec, plain)
+    # bf16: equal, or parted only where two tokens tie up to rounding (tests/rounding.py)
+    assert rounding_problems(checkpoints["target"], ids, spec, plain) == [], divergence(spec, plain)
 
 
-def divergence(spec: list[list[int]], plain: list[list[int]]) -> str:
+def divergence(spec: dict[str, list[int]], plain: dict[str, list[int]]) -> str:
     """Which requests differ and where they first do (bf16 exactness, GPU_NOTES item 2)."""
-    first = {i: next((t for t, (a, b) in enumerate(zip(s, p)) if a != b), min(len(s), len(p)))
-             for i, (s, p) in enumerate(zip(spec, plain)) if s != p}
+    first = first_differences(spec, plain)
     return f"{len(first)} of {len(plain)} requests differ; first differing token per request: {first}"
 
 
@@ -98,7 +102,7 @@ def test_bf16_seeded_sampled_speculative_equals_plain_with_the_kernels(checkpoin
     greedy, _ = tokens_of(cuda_recipe(checkpoints), ids)
     assert plain != greedy
     spec, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", **sampling), ids)
-    assert spec == plain
+    assert spec == plain, divergence(spec, plain)
     # stochastic drafts: full rejection sampling (the Triton verify kernel's residual path) runs
     _, totals = tokens_of(cuda_recipe(checkpoints, "eagle3", stochastic=True, temperature=1.0), ids)
     assert totals.spec.num_accepted_tokens > 0
@@ -157,7 +161,8 @@ def test_bf16_deepseek_pairings_equal_plain_in_cuda_graphs(deepseek_pairings, na
     ids = prompts(vocab=512)
     plain, _ = tokens_of(deepseek_recipe(target, "none", None, k), ids)
     spec, totals = tokens_of(deepseek_recipe(target, method, draft, k), ids)
-    assert spec == plain and totals.spec.num_drafts > 0
+    assert totals.spec.num_drafts > 0
+    assert spec == plain, divergence(spec, plain)
 
 
 def test_relaxed_acceptance_in_cuda_graphs_equals_eager(deepseek_pairings):
@@ -187,5 +192,5 @@ def test_relaxed_acceptance_in_cuda_graphs_equals_eager(deepseek_pairings):
         finally:
             runner.close()
     (eager, _), (graphed, totals) = results
-    assert graphed == eager
+    assert graphed == eager, divergence(graphed, eager)
     assert totals.spec.num_relaxed_accepted_tokens > 0
