@@ -1,8 +1,8 @@
 """Eager bf16 matrix products of many rows, computed in float32 on CPUs without native bf16.
 
-Contract: inside `float32_products()`, every CPU `mm` / `addmm` / `bmm` / `baddbmm` whose operands
-are bfloat16 and whose left operand has at least `MIN_ROWS` rows runs on float32 copies of its
-operands and returns its result rounded to bfloat16; everything else runs as it would. The result is
+Contract: inside `float32_products()`, every CPU `linear` / `mm` / `addmm` / `bmm` / `baddbmm`
+whose operands are all bfloat16 and whose left operand has at least `MIN_ROWS` rows runs on float32
+copies of its operands and returns its result rounded to bfloat16; everything else runs as it would. The result is
 the exact products (bf16 x bf16 is exact in fp32) summed in fp32 and rounded once, what a bf16 GEMM
 with fp32 accumulation computes, up to the order of the sum. `bf16_products_are_slow()` says where
 to use it: CPUs without AVX512-BF16 or AMX.
@@ -19,8 +19,6 @@ repay: below MIN_ROWS the product stays bf16 (the prefill's LM head reads one ro
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,8 +62,3 @@ def _worth_converting(args, operand: int, linear: bool) -> bool:
 def float32_products():
     """A context in which many-row CPU bf16 products run in float32 (the module's contract)."""
     return _Float32Products()
-
-
-def maybe_float32_products(enabled: bool):
-    """`float32_products()` where `enabled`, else a context that changes nothing."""
-    return float32_products() if enabled else contextlib.nullcontext()
