@@ -56,22 +56,26 @@ def test_few_rows_and_float32_products_are_left_as_they_are():
         assert g.dtype == e.dtype and torch.equal(g, e)
 
 
-@pytest.mark.parametrize("slow, dtype, expected", [(True, "bfloat16", True), (True, "float32", False),
-                                                   (False, "bfloat16", False)])
-def test_an_eager_bf16_prefill_multiplies_in_float32_where_the_cpu_lacks_bf16(models, monkeypatch,  # noqa: F811
-                                                                             slow, dtype, expected):
-    """A runner turns the mode on for its (eager, CPU) prefill where its weights are bf16 and the CPU
-    has no bf16 products; there the prefill's products run in float32, and speculative greedy
-    decoding still gives plain decoding's tokens (both take the same prefill)."""
+@pytest.mark.parametrize("native, dtype, draft_dtype, expected", [
+    (False, "bfloat16", "bfloat16", True), (False, "float32", "bfloat16", False), (True, "bfloat16", "bfloat16", False)])
+def test_an_eager_bf16_prefill_multiplies_in_float32_where_the_cpu_lacks_bf16(  # noqa: F811
+        models, monkeypatch, native, dtype, draft_dtype, expected):
+    """A runner turns the mode on for its (eager, CPU) prefill where its target's weights are bf16
+    and the CPU has no bf16 products (not for a bf16 draft alone: the mode's per-op cost would fall on
+    the float32 target's prefill); there the prefill's products run in float32, and speculative
+    greedy decoding still gives plain decoding's tokens (both take the same prefill)."""
     target, draft = models
-    monkeypatch.setattr(compiled, "bf16_products_are_slow", lambda: slow)
+    monkeypatch.setattr(compiled, "cpu_has_bf16", lambda: native)
     converted = []
     worth = products._worth_converting
     monkeypatch.setattr(products, "_worth_converting",
                         lambda *args: converted.append(worth(*args)) or converted[-1])
 
     def in_dtype(recipe):
-        return dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, dtype=dtype))
+        recipe = dataclasses.replace(recipe, target=dataclasses.replace(recipe.target, dtype=dtype))
+        if recipe.draft.method == "none":
+            return recipe
+        return dataclasses.replace(recipe, draft=dataclasses.replace(recipe.draft, dtype=draft_dtype))
 
     ids = prompts()
     plain_runner = runner_for(in_dtype(make_recipe(target, batch=4)))
@@ -80,5 +84,7 @@ def test_an_eager_bf16_prefill_multiplies_in_float32_where_the_cpu_lacks_bf16(mo
     assert spec_runner.functions._prefill_in_float32 is expected
     plain, _ = run(plain_runner, ids)
     assert any(converted) is expected
+    converted.clear()
     spec, totals = run(spec_runner, ids)
+    assert any(converted) is expected
     assert totals.steps > 0 and spec == plain

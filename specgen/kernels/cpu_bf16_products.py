@@ -4,8 +4,8 @@ Contract: inside `float32_products()`, every CPU `linear` / `mm` / `addmm` / `bm
 whose operands are all bfloat16 and whose left operand has at least `MIN_ROWS` rows runs on float32
 copies of its operands and returns its result rounded to bfloat16; everything else runs as it would. The result is
 the exact products (bf16 x bf16 is exact in fp32) summed in fp32 and rounded once, what a bf16 GEMM
-with fp32 accumulation computes, up to the order of the sum. `bf16_products_are_slow()` says where
-to use it: CPUs without AVX512-BF16 or AMX.
+with fp32 accumulation computes, up to the order of the sum. Where to use it: CPUs without
+AVX512-BF16 or AMX (machine.cpu_has_bf16 False).
 
 Why: specgen's compiled steps multiply bf16 on such CPUs with a kernel of their own
 (kernels/cpu_bf16_dot.py), but the prefill stays eager on CPU (pipelines/compiled.py
@@ -23,8 +23,6 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from specgen.machine import cpu_has_bf16
-
 MIN_ROWS = 16
 
 _aten = torch.ops.aten
@@ -33,11 +31,6 @@ _aten = torch.ops.aten
 _LINEAR = _aten.linear.default
 _PRODUCTS = {_LINEAR: 0, _aten.mm.default: 0, _aten.bmm.default: 0, _aten.addmm.default: 1,
              _aten.baddbmm.default: 1}
-
-
-def bf16_products_are_slow() -> bool:
-    """Whether this CPU lacks native bf16 products (no AVX512-BF16, no AMX)."""
-    return not cpu_has_bf16()
 
 
 class _Float32Products(TorchDispatchMode):

@@ -46,7 +46,8 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
-from specgen.kernels.cpu_bf16_products import bf16_products_are_slow, float32_products
+from specgen.kernels.cpu_bf16_products import float32_products
+from specgen.machine import cpu_has_bf16
 from specgen.pipelines.cpu_gemm import CPU_FROZEN_SETTINGS, use_cpu_gemm_template
 from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep
 from specgen.sampling import SamplingTensors
@@ -124,10 +125,8 @@ warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category
 _code_ids = itertools.count(1)
 
 
-def _weight_dtypes(unified: UnifiedStep) -> set[torch.dtype]:
-    """The floating dtypes of the target's and the draft's weights."""
-    modules = [m for m in (unified.target, unified.draft) if isinstance(m, torch.nn.Module)]
-    return {t.dtype for m in modules for t in m.parameters() if t.is_floating_point()}
+def _has_bf16_weights(module) -> bool:
+    return isinstance(module, torch.nn.Module) and any(t.dtype == torch.bfloat16 for t in module.parameters())
 
 
 def own_code(fn):
@@ -187,9 +186,11 @@ class StepFunctions:
         self._prefill = unified.prefill
         self.prefill_compiled = False
         # an eager bf16 prefill on a CPU without native bf16 products: its GEMMs in float32
-        # (kernels/cpu_bf16_products.py), 2.7x faster from 256 rows
-        self._prefill_in_float32 = (device.type == "cpu" and bf16_products_are_slow()
-                                    and torch.bfloat16 in _weight_dtypes(unified))
+        # (kernels/cpu_bf16_products.py), 2.7x faster from 256 rows. Only for a bf16 target: every
+        # op of the prefill passes through the mode (~50 us each on 2 cores, ~0.1 s for SmolLM2's),
+        # which a bf16 draft beside a float32 target (its one layer) does not repay.
+        self._prefill_in_float32 = (device.type == "cpu" and not cpu_has_bf16()
+                                    and _has_bf16_weights(unified.target))
         self.frozen = False
         if not self.compiled:
             return
