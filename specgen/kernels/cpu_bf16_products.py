@@ -2,9 +2,9 @@
 
 Contract: inside `float32_products()`, every CPU `linear` / `mm` / `addmm` / `bmm` / `baddbmm`
 whose operands are all bfloat16 and whose left operand has at least `MIN_ROWS` rows runs on float32
-copies of its operands and returns its result rounded to bfloat16; everything else runs as it would. The result is
-the exact products (bf16 x bf16 is exact in fp32) summed in fp32 and rounded once, what a bf16 GEMM
-with fp32 accumulation computes, up to the order of the sum. Where to use it: CPUs without
+copies of its operands and returns its result rounded to bfloat16; everything else runs as it
+would. The result is the exact products (bf16 x bf16 is exact in fp32) summed in fp32 and rounded
+once, what a bf16 GEMM with fp32 accumulation computes, up to the order of the sum. Where to use it: CPUs without
 AVX512-BF16 or AMX (machine.cpu_has_bf16 False).
 
 Why: specgen's compiled steps multiply bf16 on such CPUs with a kernel of their own

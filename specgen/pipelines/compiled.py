@@ -49,7 +49,7 @@ import torch._inductor.config as inductor_config
 from specgen.kernels.cpu_bf16_products import float32_products
 from specgen.machine import cpu_has_bf16
 from specgen.pipelines.cpu_gemm import CPU_FROZEN_SETTINGS, use_cpu_gemm_template
-from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep
+from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep, _floating_dtype
 from specgen.sampling import SamplingTensors
 
 
@@ -125,10 +125,6 @@ warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category
 _code_ids = itertools.count(1)
 
 
-def _has_bf16_weights(module) -> bool:
-    return isinstance(module, torch.nn.Module) and any(t.dtype == torch.bfloat16 for t in module.parameters())
-
-
 def own_code(fn):
     """`fn` (a function or bound method) with a code object of its own. Dynamo keeps compiled
     variants per code object and a call walks the guards of every variant of its code: runners that
@@ -189,8 +185,8 @@ class StepFunctions:
         # (kernels/cpu_bf16_products.py), 2.7x faster from 256 rows. Only for a bf16 target: every
         # op of the prefill passes through the mode (~50 us each on 2 cores, ~0.1 s for SmolLM2's),
         # which a bf16 draft beside a float32 target (its one layer) does not repay.
-        self._prefill_in_float32 = (device.type == "cpu" and not cpu_has_bf16()
-                                    and _has_bf16_weights(unified.target))
+        self._bf16_prefill_is_slow = (device.type == "cpu" and not cpu_has_bf16()
+                                      and _floating_dtype(unified.target) == torch.bfloat16)
         self.frozen = False
         if not self.compiled:
             return
@@ -218,7 +214,6 @@ class StepFunctions:
                       *sampling.tensors()):
                 torch._dynamo.mark_static_address(t)
         self.prefill_compiled = compile_prefill if compile_prefill is not None else compiles_prefill(device)
-        self._prefill_in_float32 = self._prefill_in_float32 and not self.prefill_compiled
         if self.prefill_compiled:
             # Only the batch's rows and padded length are dynamic (marked at each call, `prefill`):
             # `dynamic=True` made every Python int symbolic too, the layer indices a target captures
@@ -337,6 +332,10 @@ class StepFunctions:
         assert not self.compiled, "a compiled step keeps its batch shape"
         self._rows = (self.state.narrow(slots), self.caches.narrow(slots),
                       self.sampling.select(slice(0, slots)))
+
+    @property
+    def _prefill_in_float32(self) -> bool:
+        return self._bf16_prefill_is_slow and not self.prefill_compiled
 
     def prefill(self, batch: PrefillBatch) -> None:
         if self._prefill_in_float32:
