@@ -104,8 +104,17 @@ def _source_path(source: str | Path) -> Path:
 
 
 def _jsonl_records(path: Path) -> Iterator[PromptRecord]:
-    with path.open("r", encoding="utf-8", errors="replace") as f:
-        for n, text in enumerate(f, start=1):
+    # Read as bytes and decode each line strictly: JSONL is UTF-8, and a line with other bytes is
+    # that line's error (decoding with replacement would answer an altered prompt, exit 0).
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                # a byte-order mark (some Windows editors write one) is not part of line 1's JSON
+                text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                yield PromptRecord(id=f"line-{n}", line=n, error=f"{path.name} line {n}: not valid UTF-8 "
+                                   f"(byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the line)")
+                continue
             if text.strip():
                 yield parse_prompt_line(text, n, path.name)
 

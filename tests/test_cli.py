@@ -123,6 +123,20 @@ def test_stop_strings_cut_the_text(setup):
     assert record["text"] == text[: text.index(stop)]
 
 
+def test_a_prompt_line_that_is_not_utf8_is_an_error_result_and_the_others_are_answered(setup, tmp_path):
+    root, target, draft, _ = setup
+    prompts = tmp_path / "bytes.jsonl"
+    prompts.write_bytes(b'{"id": "u1", "prompt": "hello"}\n{"id": "u2", "prompt": "\xff\xfe bad bytes"}\n')
+    out = tmp_path / "out.jsonl"
+    result = invoke("run", str(write_recipe(root, target, draft)), "--prompts", str(prompts),
+                    "--output", str(out))
+    assert result.exit_code == 3, result.output
+    records = {r["id"]: r for r in read_lines(out)}
+    assert set(records) == {"u1", "line-2"}
+    assert records["u1"]["finish_reason"] == "length" and records["u1"]["num_output_tokens"] == 12
+    assert records["line-2"]["error"] == "bytes.jsonl line 2: not valid UTF-8 (byte 0xff at byte 25 of the line)"
+
+
 def test_bad_recipe_exits_2_before_loading(setup):
     root, target, draft, _ = setup
     recipe = write_recipe(root, target, draft)

@@ -67,6 +67,25 @@ def test_invalid_json_is_an_error_record(tmp_path):
     assert records[-1] == PromptRecord(id="line-17", line=17, error="prompts.jsonl line 17: not valid JSON")
 
 
+def test_a_line_that_is_not_utf8_is_an_error_record_and_the_rest_are_read(tmp_path):
+    # JSONL is UTF-8: bytes that are not are the line's error (never replaced and answered)
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'{"id": "u1", "prompt": "caf\xc3\xa9"}\n'
+                     b'{"id": "u2", "prompt": "\xff\xfe bad bytes"}\n'
+                     b'{"id": "u3", "prompt": "fine"}\n')
+    first, second, third = read(path)
+    assert first == PromptRecord(id="u1", line=1, prompt="caf\u00e9")
+    assert second == PromptRecord(id="line-2", line=2,
+                                  error="prompts.jsonl line 2: not valid UTF-8 (byte 0xff at byte 25 of the line)")
+    assert third == PromptRecord(id="u3", line=3, prompt="fine")
+
+
+def test_a_byte_order_mark_on_line_1_is_not_an_error(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "x"}\r\n{"id": "b", "prompt": "y"}\r\n')
+    assert [(r.id, r.prompt, r.error) for r in read(path)] == [("a", "x", None), ("b", "y", None)]
+
+
 @pytest.mark.parametrize(
     ("line", "error"),
     [
