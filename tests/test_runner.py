@@ -123,14 +123,49 @@ def test_no_cache_write_falls_past_the_allocation_at_max_seq_len(models, k, monk
     assert all(len(got[f"p{i}"]) == min(40, max_seq_len - n) for i, n in enumerate(lengths))
 
 
+def test_token_ids_outside_the_vocabulary_are_refused_on_the_host_before_prefill(models):
+    # on CUDA such an id is a device-side assert that ends the process: no kernel may ever see it
+    target, _ = models
+    runner = runner_for(make_recipe(target, batch=3))
+    vocab = runner.unified.target.vocab_size
+    prefilled = []
+    original = runner.functions.prefill
+
+    def spy(batch):
+        prefilled.append(batch.tokens.clone())
+        return original(batch)
+
+    runner.functions.prefill = spy
+    good = prompts(lengths=(4, 6))
+    requests = [Request("a", good[0], 8, 1), Request("big", [5, vocab, 7], 8, 2),
+                Request("negative", [-1, 5], 8, 3), Request("b", good[1], 8, 4)]
+    done = {}
+    runner.run(requests, lambda c: done.__setitem__(c.id, c))
+    assert done["big"].finish_reason == "error"
+    assert done["big"].error == f"prompt token 1 has id {vocab}, outside the target's vocabulary (0..{vocab - 1})"
+    assert done["negative"].error.startswith("prompt token 0 has id -1, outside")
+    assert len(done["a"].token_ids) == 8 and len(done["b"].token_ids) == 8
+    assert prefilled and all(int(t.min()) >= 0 and int(t.max()) < vocab for t in prefilled)
+
+
 def test_a_prompt_that_fails_in_prefill_is_an_error_and_the_batch_goes_on(models):
     target, _ = models
     runner = runner_for(make_recipe(target, batch=3))
-    good = prompts(lengths=(4, 6))
-    requests = [Request("a", good[0], 8, 1), Request("bad", [5, 10_000, 7], 8, 2), Request("b", good[1], 8, 3)]
+    original = runner.functions.prefill
+    poison = 7
+
+    def failing(batch):     # a prefill that raises on one prompt (ids valid: the host check passes)
+        if bool((batch.tokens == poison).any()):
+            raise RuntimeError("simulated kernel failure")
+        return original(batch)
+
+    runner.functions.prefill = failing
+    good = [[t if t != poison else poison + 1 for t in p] for p in prompts(lengths=(4, 6))]
+    requests = [Request("a", good[0], 8, 1), Request("bad", [5, poison, 6], 8, 2), Request("b", good[1], 8, 3)]
     done = {}
     runner.run(requests, lambda c: done.__setitem__(c.id, c))
-    assert done["bad"].finish_reason == "error" and "prefill failed" in done["bad"].error
+    assert done["bad"].finish_reason == "error"
+    assert done["bad"].error == "prefill failed: RuntimeError: simulated kernel failure"
     assert len(done["a"].token_ids) == 8 and len(done["b"].token_ids) == 8
 
 

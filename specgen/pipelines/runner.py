@@ -493,6 +493,15 @@ class Runner:
         if len(request.prompt_ids) >= self.max_seq_len:
             return (f"the prompt has {len(request.prompt_ids)} tokens; runtime.max_seq_len "
                     f"({self.max_seq_len}) leaves no room to generate")
+        # on the host, before any kernel reads it: an id outside the embedding is an index error on
+        # CPU but a device-side assert on CUDA, which ends the process and every request in it
+        vocab = self.unified.target.vocab_size
+        if 0 <= min(request.prompt_ids) and max(request.prompt_ids) < vocab:
+            return None
+        for position, token in enumerate(request.prompt_ids):
+            if not 0 <= token < vocab:
+                return (f"prompt token {position} has id {token}, outside the target's vocabulary "
+                        f"(0..{vocab - 1})")
         return None
 
     def noise_key(self, request: Request) -> int:
