@@ -112,9 +112,9 @@ def write_eagle3_checkpoint(folder: Path, config: dict, target: dict, *, layout:
     return folder
 
 
-def load_fp32_target(folder: Path):
-    """Our model for a checkpoint folder, fp32 on the CPU (what most tests compare)."""
+def load_fp32_target(folder: Path, device="cpu"):
+    """Our model for a checkpoint folder, fp32 on the CPU (what most tests compare) or on `device`."""
     from specgen.checkpoints import read_config
     from specgen.checkpoints.loading import load_target
 
-    return load_target(read_config(folder), folder, dtype=torch.float32, device="cpu", dummy=False)
+    return load_target(read_config(folder), folder, dtype=torch.float32, device=device, dummy=False)

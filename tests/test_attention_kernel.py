@@ -1,17 +1,19 @@
 """The Triton attention kernel (per-row lengths, GQA packed, split-K) equals the PyTorch reference.
 
-On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py)."""
+On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py); on a machine
+with CUDA every tensor is on the GPU, where the kernel compiles for real."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from kernel_device import KERNEL_DEVICE
 
 from specgen.kernels import attention as ak
 from specgen.models.attention import AttentionBatch, KVCache, attend
 
 
-def case(B, T, Hq, Hkv, D, L=80, slots=None, seed=0, dtype=torch.float32):
+def case(B, T, Hq, Hkv, D, L=80, slots=None, seed=0, dtype=torch.float32, device=KERNEL_DEVICE):
     gen = torch.Generator().manual_seed(seed)
     S = slots or B + 2
     k_cache = torch.randn(S, Hkv, L, D, generator=gen).to(dtype)
@@ -22,7 +24,7 @@ def case(B, T, Hq, Hkv, D, L=80, slots=None, seed=0, dtype=torch.float32):
     # q as a strided view of a fused projection, the way the model makes it
     fused = torch.randn(B, T, (Hq + 2 * Hkv) * D, generator=gen).to(dtype)
     q = fused[..., : Hq * D].view(B, T, Hq, D)
-    return q, k_cache, v_cache, rows, positions
+    return tuple(t.to(device) for t in (q, k_cache, v_cache, rows, positions))
 
 
 @pytest.mark.parametrize("B,T,Hq,Hkv,D,splits", [
@@ -36,7 +38,7 @@ def case(B, T, Hq, Hkv, D, L=80, slots=None, seed=0, dtype=torch.float32):
 def test_kernel_equals_reference(B, T, Hq, Hkv, D, splits):
     q, k_cache, v_cache, rows, positions = case(B, T, Hq, Hkv, D)
     L = k_cache.shape[2]
-    mask = ak.causal_mask(positions, torch.arange(L))
+    mask = ak.causal_mask(positions, torch.arange(L, device=KERNEL_DEVICE))
     reference = ak.attention_reference(q, k_cache, v_cache, rows, mask, scale=D ** -0.5)
     blocks = {} if D > ak.WIDE_HEAD_DIM else {"block_m": 16, "block_n": 16}
     out = ak.attention_triton(q, k_cache, v_cache, rows, positions.contiguous(), D ** -0.5, splits, **blocks)
@@ -58,18 +60,19 @@ def test_each_row_reads_only_its_own_length():
 def test_the_custom_op_and_attend_use_the_kernel():
     q, k_cache, v_cache, rows, positions = case(2, 4, 8, 2, 16)
     out = torch.ops.specgen.cached_attention(q, k_cache, v_cache, rows, positions, 0.25, 1)
-    mask = ak.causal_mask(positions, torch.arange(k_cache.shape[2]))
+    mask = ak.causal_mask(positions, torch.arange(k_cache.shape[2], device=KERNEL_DEVICE))
     torch.testing.assert_close(out, ak.attention_reference(q, k_cache, v_cache, rows, mask, 0.25),
                                atol=2e-5, rtol=2e-5)
     # attend() writes the new K/V first, then attends, on either path
     gen = torch.Generator().manual_seed(1)
-    k_new, v_new = torch.randn(2, 4, 2, 16, generator=gen), torch.randn(2, 4, 2, 16, generator=gen)
+    k_new, v_new = (torch.randn(2, 4, 2, 16, generator=gen).to(KERNEL_DEVICE) for _ in range(2))
     results = []
     for use_kernel in (False, True):
-        cache = KVCache(1, k_cache.shape[0], 2, k_cache.shape[2], 16, torch.float32, "cpu")
+        cache = KVCache(1, k_cache.shape[0], 2, k_cache.shape[2], 16, torch.float32, KERNEL_DEVICE)
         cache.k[0].copy_(k_cache)
         cache.v[0].copy_(v_cache)
-        batch = AttentionBatch.build(positions, rows, torch.arange(k_cache.shape[2]), use_kernel)
+        batch = AttentionBatch.build(positions, rows, torch.arange(k_cache.shape[2], device=KERNEL_DEVICE),
+                                     use_kernel)
         results.append(attend(q, k_new, v_new, cache, 0, batch))
     torch.testing.assert_close(results[1], results[0], atol=2e-5, rtol=2e-5)
 
@@ -86,7 +89,8 @@ def test_row_invariant_reference_gives_a_query_the_same_bits_beside_drafts(dtype
     """The decode step's attention: a query's output does not depend on how many queries after it
     share the call (a token verified beside drafts == the same token decoded alone), and it is the
     same attention as SDPA's up to rounding."""
-    q, k_cache, v_cache, rows, positions = case(2, 5, Hq, Hkv, D, L=300, dtype=dtype)
+    # the CPU step's reference (no Triton): on the CPU on every machine
+    q, k_cache, v_cache, rows, positions = case(2, 5, Hq, Hkv, D, L=300, dtype=dtype, device="cpu")
     key_index = torch.arange(290)
 
     def attention(t: int, invariant: bool = True) -> torch.Tensor:

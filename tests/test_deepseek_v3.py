@@ -294,15 +294,17 @@ def test_mla_through_the_attention_kernel_equals_the_reference_path(tmp_path):
     values are the same entries == the SDPA reference path, prefill then decode steps."""
     from specgen.models.attention import AttentionBatch
 
-    model = load_fp32_target(write_deepseek_checkpoint(tmp_path / "ds", tiny_deepseek_config()))
-    ids = tokens(n=10)
+    from kernel_device import KERNEL_DEVICE
+
+    model = load_fp32_target(write_deepseek_checkpoint(tmp_path / "ds", tiny_deepseek_config()), KERNEL_DEVICE)
+    ids = tokens(n=10).to(KERNEL_DEVICE)
 
     def logits_through(use_kernel: bool) -> torch.Tensor:
-        cache = model.new_cache(2, 32, torch.float32, "cpu")
+        cache = model.new_cache(2, 32, torch.float32, KERNEL_DEVICE)
         out = []
         for start, end in ((0, 6), (6, 7), (7, 10)):
-            positions = torch.arange(start, end).expand(2, end - start).contiguous()
-            batch = AttentionBatch.build(positions, None, torch.arange(end), use_kernel)
+            positions = torch.arange(start, end, device=KERNEL_DEVICE).expand(2, end - start).contiguous()
+            batch = AttentionBatch.build(positions, None, torch.arange(end, device=KERNEL_DEVICE), use_kernel)
             with torch.no_grad():
                 hidden, _ = model(ids[:, start:end], positions, cache, batch)
             out.append(model.logits(hidden))

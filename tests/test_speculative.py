@@ -34,14 +34,14 @@ def models(tmp_path_factory):
     return target, draft
 
 
-def make_recipe(target, draft=None, k=3, batch=4, stochastic=False, compile=False, **sampling):
+def make_recipe(target, draft=None, k=3, batch=4, stochastic=False, compile=False, device="cpu", **sampling):
     data = {
         # float32 on every CPU (auto takes bf16 where the CPU has it): the same numbers everywhere
         "target": {"model": str(target), "dtype": "float32"},
         "draft": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k,
                   "stochastic": stochastic} if draft else {"method": "none"},
         "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
-        "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 96, "compile": compile},
+        "runtime": {"device": str(device), "batch_size": batch, "max_seq_len": 96, "compile": compile},
         "chat_template": False,
     }
     return recipe_from_dict(data)
