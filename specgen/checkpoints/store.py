@@ -18,9 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be found, read or understood; the message names the path."""
+from specgen.errors import CheckpointError as CheckpointError  # raised here, defined below every layer
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,15 +22,7 @@ from safetensors import SafetensorError, safe_open
 from specgen.checkpoints.headers import checkpoint_headers
 from specgen.checkpoints.quantized import Quantization, dequantize_state, is_quantized_part
 from specgen.checkpoints.store import CheckpointError
-
-# Tensors that stay float32 in any run dtype (transformers keeps them so too): the MoE router's
-# score-correction bias decides expert choices by small margins.
-FLOAT32_TENSORS = ("e_score_correction_bias",)
-
-
-def keeps_float32(name: str) -> bool:
-    return name.endswith(FLOAT32_TENSORS)
-
+from specgen.models.materialise import keeps_float32
 
 def read_tensors(files: list[Path], *, prefix: str = "", strip_prefix: bool = False,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None,

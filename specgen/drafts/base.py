@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from specgen.errors import CheckpointError
 from specgen.models.attention import AttentionBatch
 from specgen.models.protocol import TargetShape
 
@@ -98,8 +99,6 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
 
 def read_draft_config(config_cls, config: dict, target, where: str, name: str) -> Any:
     """The draft's config checked against its target; a bad one is a CheckpointError naming the file."""
-    from specgen.checkpoints.store import CheckpointError
-
     try:
         return config_cls.from_hf(config, target_layers=target.num_layers,
                                   target_hidden=target.hidden_size, target_vocab=target.vocab_size)

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specgen.checkpoints.headers import TensorHeader
-from specgen.checkpoints.store import CheckpointError
 from specgen.drafts.base import DraftBuilder, Pick, TargetFit, default_aux_layer_ids, read_draft_config
 from specgen.drafts.chain import chain_propose
+from specgen.errors import CheckpointError
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
     Attention,
@@ -48,6 +47,7 @@ from specgen.models.layers import (
 from specgen.models.materialise import build
 from specgen.models.mla import LatentAttention, LatentCache, MlaDims
 from specgen.models.protocol import TargetShape
+from specgen.models.tensor_header import TensorHeader
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
 

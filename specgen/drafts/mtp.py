@@ -47,7 +47,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from specgen.checkpoints.headers import TensorHeader
 from specgen.drafts.base import DraftBuilder, Pick, TargetFit, read_draft_config
 from specgen.drafts.chain import chain_propose
 from specgen.models.attention import AttentionBatch, KVCache
@@ -65,6 +64,7 @@ from specgen.models.llama import LlamaConfig, LlamaDecoderLayer
 from specgen.models.mla import LatentCache
 from specgen.models.materialise import build
 from specgen.models.protocol import TargetShape
+from specgen.models.tensor_header import TensorHeader
 
 # ------------------------------------------------------------------------------------------ blocks
 

@@ -18,9 +18,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from specgen.checkpoints.headers import is_header_state
-from specgen.checkpoints.store import CheckpointError
-from specgen.checkpoints.weights import keeps_float32
+from specgen.errors import CheckpointError
+from specgen.models.tensor_header import is_header_state
+
+# Tensors that stay float32 in any run dtype (transformers keeps them so too): the MoE router's
+# score-correction bias decides expert choices by small margins.
+FLOAT32_TENSORS = ("e_score_correction_bias",)
+
+
+def keeps_float32(name: str) -> bool:
+    """Whether the tensor of this checkpoint / module name stays float32 whatever the run's dtype."""
+    return name.endswith(FLOAT32_TENSORS)
 
 
 class LayoutError(CheckpointError):
