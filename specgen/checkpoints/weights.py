@@ -24,6 +24,7 @@ from specgen.checkpoints.quantized import Quantization, dequantize_state, is_qua
 from specgen.checkpoints.store import CheckpointError
 from specgen.models.materialise import keeps_float32
 
+
 def read_tensors(files: list[Path], *, prefix: str = "", strip_prefix: bool = False,
                  device: torch.device | str = "cpu", dtype: torch.dtype | None = None,
                  quantization: Quantization | None = None,
