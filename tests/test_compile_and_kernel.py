@@ -271,9 +271,10 @@ def test_triton_kernel_inside_the_pipeline_equals_reference(models, monkeypatch)
     ids = prompts(lengths=(4, 9))
     recipe = make_recipe(target, draft, k=2, batch=2, stochastic=True, temperature=0.9, top_k=20,
                          device=KERNEL_DEVICE.type)
-    monkeypatch.setattr(unified, "verify", functools.partial(unified.verify, force_kernel=False))
+    verify = unified.verify
+    monkeypatch.setattr(unified, "verify", functools.partial(verify, force_kernel=False))
     reference, _ = run(runner_for(recipe), ids, max_tokens=6)
-    monkeypatch.setattr(unified, "verify", functools.partial(unified.verify.func, force_kernel=True))
+    monkeypatch.setattr(unified, "verify", functools.partial(verify, force_kernel=True))
     kernel, totals = run(runner_for(recipe), ids, max_tokens=6)
     assert kernel == reference and totals.spec.num_drafts > 0
 

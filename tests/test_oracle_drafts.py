@@ -15,7 +15,16 @@ from __future__ import annotations
 import pytest
 import torch
 from test_deepseek_pairings import recipe, write_pairings
-from test_speculative import OracleDraft, make_recipe, models, prompts, run, runner_for  # noqa: F401 (fixture)
+from test_speculative import (  # noqa: F401 (models: a fixture)
+    make_recipe,
+    models,
+    prompts,
+    references_of,
+    run,
+    runner_for,
+    spoiled,
+    store_references,
+)
 
 from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
@@ -52,17 +61,13 @@ class OracleProposals(torch.nn.Module):
 
     def propose(self, aux, next_tokens, positions, last_index, cache, attn, pick, k=None):
         table = cache.table
-        if attn.rows is not None:          # prefill (eager): next_tokens = prompt[1:] + first token
-            for r, slot in enumerate(attn.rows.tolist()):
-                sequence = self.references[tuple(next_tokens[r, : last_index[r]].tolist())]
-                table[slot].zero_()
-                table[slot, : len(sequence)] = torch.tensor(sequence)
+        if attn.rows is not None:          # prefill (eager)
+            store_references(table, self.references, next_tokens, last_index, attn.rows)
         rows = torch.arange(next_tokens.shape[0], device=next_tokens.device)
 
         def oracle(logits, where):
             # logits [B, V] (the draft's own, unused); where [B]: the drafted token's position
-            token = table[rows, where]
-            return torch.where(OracleDraft.wrong(where), (token + 1) % VOCAB, token), None
+            return spoiled(table[rows, where], where, VOCAB), None
 
         return self.draft.propose(aux, next_tokens, positions, last_index, cache.inner, attn, oracle, k)
 
@@ -106,7 +111,7 @@ def test_a_real_draft_that_proposes_the_targets_tokens_keeps_the_plain_output(pa
     batch = 2 if compile else 4                       # compiled: fewer slots, a smaller graph to build
     ids = prompts(lengths=(3, 11, 6, 17)) if compile else prompts()
     plain, _ = run(runner_for(recipe_for(pairings, name, with_draft=False, batch=batch, **sampling)), ids)
-    references = {tuple(p[1:]): p + plain[f"p{i}"] for i, p in enumerate(ids)}
+    references = references_of(ids, plain)
     real = runner_for(recipe_for(pairings, name, batch=batch, **sampling))
     runner = oracle_runner(real, references, compile)
     assert runner.compiled == compile

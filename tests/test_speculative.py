@@ -105,26 +105,36 @@ class OracleDraft(torch.nn.Module):
 
     def propose(self, aux, next_tokens, positions, last_index, cache, attn, pick, k=None):
         k = self.num_speculative_tokens if k is None else k
-        references = cache.table
-        if attn.rows is not None:  # prefill: next_tokens = prompt[1:] + first token; find references
-            for r, slot in enumerate(attn.rows.tolist()):
-                sequence = self.references[tuple(next_tokens[r, : last_index[r]].tolist())]
-                references[slot].zero_()
-                references[slot, : len(sequence)] = torch.tensor(sequence)
+        if attn.rows is not None:
+            store_references(cache.table, self.references, next_tokens, last_index, attn.rows)
         rows = attn.cache_rows(next_tokens.shape[0], next_tokens.device)
         start = positions[torch.arange(len(rows)), last_index] + 2      # position of the first draft
         where = start.unsqueeze(1) + torch.arange(k)
-        tokens = references[rows.unsqueeze(1), where]
-        return torch.where(self.wrong(where), (tokens + 1) % self.vocab, tokens), None
+        return spoiled(cache.table[rows.unsqueeze(1), where], where, self.vocab), None
 
-    @staticmethod
-    def wrong(where: torch.Tensor) -> torch.Tensor:
-        return ((where % 13) == 0) | ((where % 13) == 2) | ((where % 13) == 3)
+
+def store_references(table, references, next_tokens, last_index, slots) -> None:
+    """At prefill (next_tokens = prompt[1:] + the first token), each slot's reference continuation
+    into its row of `table`, found by its prompt."""
+    for r, slot in enumerate(slots.tolist()):
+        sequence = references[tuple(next_tokens[r, : last_index[r]].tolist())]
+        table[slot].zero_()
+        table[slot, : len(sequence)] = torch.tensor(sequence)
+
+
+def spoiled(tokens: torch.Tensor, where: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The reference tokens at positions `where`, wrong at positions 0, 2, 3 mod 13."""
+    wrong = ((where % 13) == 0) | ((where % 13) == 2) | ((where % 13) == 3)
+    return torch.where(wrong, (tokens + 1) % vocab, tokens)
+
+
+def references_of(prompt_ids, plain_results) -> dict[tuple, list[int]]:
+    """prompt[1:] -> prompt + its plain output: what an oracle proposes, keyed as prefill finds it."""
+    return {tuple(p[1:]): p + plain_results[f"p{i}"] for i, p in enumerate(prompt_ids)}
 
 
 def oracle_for(prompt_ids, plain_results, k):
-    refs = {tuple(p[1:]): p + plain_results[f"p{i}"] for i, p in enumerate(prompt_ids)}
-    return OracleDraft(refs, k, 96)
+    return OracleDraft(references_of(prompt_ids, plain_results), k, 96)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
