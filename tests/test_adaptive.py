@@ -19,7 +19,7 @@ import torch
 from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint
 from checkpoints_dflash import tiny_dflash_config, write_dflash_checkpoint
 from test_mtp import write_mtp_target
-from test_speculative import oracle_for, prompts, run
+from test_speculative import never_wrong, oracle_for, prompts, run
 
 from specgen.job import build_runner, resolve
 from specgen.pipelines.policy import FIRST_PROBE_INTERVAL, AdaptivePolicy, FixedPolicy, SlotView, per_position_prior
@@ -611,10 +611,10 @@ def test_auto_is_lossless_and_plain_for_a_draft_that_never_agrees(checkpoints):
 def test_auto_drafts_the_most_for_a_draft_that_is_always_right(checkpoints):
     ids = prompts()
     plain = plain_outputs(checkpoints)
-    right = oracle_for(ids, plain, 4)
-    right.wrong = lambda where: torch.zeros_like(where, dtype=torch.bool)
+    right = oracle_for(ids, plain, 4, wrong=never_wrong)
     spec, totals = run(auto_runner(checkpoints, draft=right), ids)
     assert spec == plain
+    assert totals.spec.accepted_per_position == totals.spec.drafted_per_position     # really always right
     # 24 tokens a request: a request's last steps draft fewer (fewer tokens left to emit) and the
     # first ones learn from a pessimistic prior, so "the most" is the most frequent k and a high mean
     assert totals.k_steps[4] == max(totals.k_steps)

@@ -96,9 +96,10 @@ class OracleDraft(torch.nn.Module):
 
     aux_layer_ids = ()
 
-    def __init__(self, references: dict[tuple, list[int]], k: int, vocab: int) -> None:
+    def __init__(self, references: dict[tuple, list[int]], k: int, vocab: int, wrong=None) -> None:
         super().__init__()
         self.references, self.num_speculative_tokens, self.vocab = references, k, vocab
+        self.wrong = wrong_positions if wrong is None else wrong
 
     def new_cache(self, slots, max_len, dtype, device):
         return ReferenceCache(torch.zeros(slots, max_len + 64, dtype=torch.long))
@@ -110,7 +111,7 @@ class OracleDraft(torch.nn.Module):
         rows = attn.cache_rows(next_tokens.shape[0], next_tokens.device)
         start = positions[torch.arange(len(rows)), last_index] + 2      # position of the first draft
         where = start.unsqueeze(1) + torch.arange(k)
-        return spoiled(cache.table[rows.unsqueeze(1), where], where, self.vocab), None
+        return spoiled(cache.table[rows.unsqueeze(1), where], where, self.vocab, self.wrong), None
 
 
 def store_references(table, references, next_tokens, last_index, slots) -> None:
@@ -122,10 +123,18 @@ def store_references(table, references, next_tokens, last_index, slots) -> None:
         table[slot, : len(sequence)] = torch.tensor(sequence)
 
 
-def spoiled(tokens: torch.Tensor, where: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The reference tokens at positions `where`, wrong at positions 0, 2, 3 mod 13."""
-    wrong = ((where % 13) == 0) | ((where % 13) == 2) | ((where % 13) == 3)
-    return torch.where(wrong, (tokens + 1) % vocab, tokens)
+def wrong_positions(where: torch.Tensor) -> torch.Tensor:
+    """Positions 0, 2, 3 mod 13: where the oracle proposes a wrong token by default."""
+    return ((where % 13) == 0) | ((where % 13) == 2) | ((where % 13) == 3)
+
+
+def never_wrong(where: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(where, dtype=torch.bool)
+
+
+def spoiled(tokens: torch.Tensor, where: torch.Tensor, vocab: int, wrong=wrong_positions) -> torch.Tensor:
+    """The reference tokens at positions `where`, changed to a wrong token where `wrong(where)`."""
+    return torch.where(wrong(where), (tokens + 1) % vocab, tokens)
 
 
 def references_of(prompt_ids, plain_results) -> dict[tuple, list[int]]:
@@ -133,8 +142,8 @@ def references_of(prompt_ids, plain_results) -> dict[tuple, list[int]]:
     return {tuple(p[1:]): p + plain_results[f"p{i}"] for i, p in enumerate(prompt_ids)}
 
 
-def oracle_for(prompt_ids, plain_results, k):
-    return OracleDraft(references_of(prompt_ids, plain_results), k, 96)
+def oracle_for(prompt_ids, plain_results, k, wrong=None):
+    return OracleDraft(references_of(prompt_ids, plain_results), k, 96, wrong)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
