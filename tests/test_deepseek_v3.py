@@ -290,8 +290,8 @@ def test_full_deepseek_v3_config_builds_for_dummy_weights_and_is_estimated():
 
 
 def test_mla_through_the_attention_kernel_equals_the_reference_path(tmp_path):
-    """The latent cache read by the Triton kernel (interpreted on CPU) as one head whose keys and
-    values are the same entries == the SDPA reference path, prefill then decode steps."""
+    """The latent cache read by the latent Triton kernel (interpreted on CPU; each entry loaded once
+    for keys and values) == the SDPA reference path, prefill then decode steps."""
     from specgen.models.attention import AttentionBatch
 
     from kernel_device import KERNEL_DEVICE

@@ -13,6 +13,8 @@ Contract:
     step's row-invariant attention takes the C++ kernel of kernels/cpu_attention.py instead (same
     contract, same bound).
 - `attend(q, k, v, cache, layer, batch)` writes the new K/V at their positions, then attends.
+- `attend_latent(q, entry, cache, layer, batch, scale, latent_dim)` is MLA's absorbed form of it
+  over a latent cache (models/mla.py): values are the first `latent_dim` values of each entry.
 Nothing here synchronises with the host.
 """
 
@@ -24,6 +26,7 @@ import torch
 
 from specgen.kernels import attention as kernel
 from specgen.kernels import cpu_attention
+from specgen.kernels import latent_attention as latent_kernel
 
 
 class KVCache:
@@ -116,3 +119,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
         splits = kernel.choose_splits(q.shape[0], k.shape[2], tiles, cache.max_len, batch.num_sms)
     return kernel.cached_attention(q, cache.k[layer], cache.v[layer], rows, batch.positions.contiguous(),
                                    scale, splits)
+
+
+def attend_latent(q: torch.Tensor, entry: torch.Tensor, cache, layer: int, batch: AttentionBatch,
+                  scale: float, latent_dim: int) -> torch.Tensor:
+    # q: [B, T, H, R + P]; entry: [B, T, 1, R + P] -> [B, T, H, R]
+    if not batch.use_kernel:   # the one-head cache whose keys and values are the same entries
+        return attend(q, entry, entry, cache, layer, batch, scale)[..., :latent_dim]
+    rows = batch.cache_rows(q.shape[0], q.device)
+    cache.write(layer, rows, batch.positions, entry)
+    splits = 1
+    if batch.num_sms > 1:
+        tiles = latent_kernel.query_tiles(q.shape[1], q.shape[2])
+        splits = kernel.choose_splits(q.shape[0], 1, tiles, cache.max_len, batch.num_sms)
+    return latent_kernel.latent_attention(q, cache.k[layer], rows, batch.positions.contiguous(), scale,
+                                          latent_dim, splits)

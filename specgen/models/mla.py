@@ -5,8 +5,9 @@ Contract:
   `[slots, 1, max_len, kv_lora_rank + qk_rope_head_dim]` holding the normed KV latent and the
   rotated shared rope key of every position; never full per-head K/V (that is what makes these
   models servable: DeepSeek-V3 caches 576 values per token and layer instead of 128 x 2 x 192).
-  It exposes `k` and `v` as the same list, so `models.attention.attend` and the attention kernel
-  read it as a one-head cache whose keys and values are the same entries.
+  It exposes `k` and `v` as the same list, so `models.attention.attend` reads it as a one-head cache
+  whose keys and values are the same entries; on the kernel path `attend_latent` hands it to the
+  latent kernel (kernels/latent_attention.py), which loads each entry once for both.
 - `LatentAttention(in_dim, hidden, dims)` is the attention module (projection names as in the
   checkpoints: `q_proj` or `q_a_proj`/`q_a_layernorm`/`q_b_proj`, `kv_a_proj_with_mqa`,
   `kv_a_layernorm`, `kv_b_proj`, `o_proj`). Its `forward(x, cos, sin, cache, layer, batch)` has the
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgen.models.attention import AttentionBatch, attend
+from specgen.models.attention import AttentionBatch, attend_latent
 from specgen.models.layers import RMSNorm, RopeSettings, apply_rope, apply_rope_interleaved
 
 # Above this many queries per row the reference path expands K/V per head instead of absorbing.
@@ -171,8 +172,8 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = self._up_weights()
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
         q = torch.cat((q_latent, q_rope), dim=-1)
-        out = attend(q, entry, entry, cache, layer, batch, scale=self.scale)   # values = latents
-        return torch.einsum("bthr,hvr->bthv", out[..., :self.dims.kv_lora_rank], w_uv)
+        out = attend_latent(q, entry, cache, layer, batch, self.scale, self.dims.kv_lora_rank)
+        return torch.einsum("bthr,hvr->bthv", out, w_uv)
 
     def _expanded(self, q_nope, q_rope, entry, cache, layer, batch):
         # -> [B, T, H, dv]: per-head keys and values rebuilt from the latents of the rows' first

@@ -1,0 +1,200 @@
+"""MLA's absorbed attention over a latent cache: Triton kernel, wrapper, reference.
+
+Contract. Inputs, for B rows of T new queries of H heads each (their own entries already cached):
+  q          [B, T, H, R + P]      absorbed queries: the latent part (q_nope . W_UK, R = kv_lora_rank
+                                   wide), then the rotated rope part (P = qk_rope_head_dim wide);
+                                   any strides with a contiguous last dim
+  cache      [S, 1, L, R + P]      the layer's latent cache: per position the normed latent, then the
+                                   rotated shared rope key (models/mla.py's LatentCache)
+  rows       [B] int64             cache slot of each row
+  positions  [B, T] int64          absolute position of each query, non-decreasing along T
+Output [B, T, H, R] (q's dtype): query (b, t, h) attends causally to the entries of slot rows[b] at
+positions 0 .. positions[b, t]: softmax((q . entry) * scale) weighted LATENTS (the first R values of
+each entry; W_UV is applied by the caller). That is `attention.attention_reference` with keys = values
+= the entries, cut to R, which is also `latent_attention_reference`, the CPU path and the test oracle.
+
+Why a kernel of its own (GPU_NOTES 1). Through the generic kernel an MLA entry is a 576-wide head
+padded to 1024, with separate K and V tiles of the same memory: at DeepSeek-V3's widths that asks for
+more shared memory than an H100 has (227 KiB). Here each block of entries is loaded once, as a latent
+tile (R wide) and a rope tile (P wide), and serves both products: scores = q_lat . latent + q_rope .
+rope, values = the latent tile. The accumulator is R wide, not 1024. Tile rows are (t, head) pairs,
+so one program serves a block of heads of one row, reading the row's entries once for all of them;
+long rows are split over programs and merged by log-sum-exp, as in kernels/attention.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import attention as generic
+from . import keyed_noise as kn
+from .keyed_noise import tl, triton
+
+# Tile rows ((query, head) pairs) and entries per inner iteration; `shared_memory_bytes` checks them
+# against an H100's limit at DeepSeek-V3's widths (test_latent_attention_kernel.py).
+BLOCK_M = 32
+BLOCK_N = 32
+NUM_WARPS = 8     # a 32 x 512 fp32 accumulator is 64 registers a thread at 8 warps
+NUM_STAGES = 2
+H100_SHARED_MEMORY = 227 * 1024
+
+
+def shared_memory_bytes(block_m: int, block_n: int, latent: int, rope: int, stages: int,
+                        itemsize: int) -> int:
+    """An upper estimate of one program's shared memory: the query tiles, `stages` buffered entry
+    tiles (latent + rope) and the probabilities tile fed to the second product."""
+    width = triton.next_power_of_2(latent) + triton.next_power_of_2(rope) if triton else latent + rope
+    return (block_m * width + stages * block_n * width + block_m * block_n) * itemsize
+
+
+def latent_attention_reference(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
+                               positions: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
+    # q: [B, T, H, R + P]; cache: [S, 1, L, R + P]; rows: [B]; positions: [B, T] -> [B, T, H, R]
+    mask = generic.causal_mask(positions, torch.arange(cache.shape[2], device=q.device))
+    out = generic.attention_reference(q, cache, cache, rows, mask, scale)
+    return out[..., :latent_dim]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton kernel (a plain function, jitted on first use: see keyed_noise's docstring for why)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _latent_attention_kernel(
+    q_ptr, c_ptr, rows_ptr, pos_ptr, o_ptr, lse_ptr,
+    sq_b, sq_t, sq_h,            # q strides (the last one is 1)
+    sc_s, sc_l,                  # cache strides: slot, position (the last one is 1)
+    so_b, so_t, so_h, so_s,      # partial outputs [B, T, H, SPLITS, R] (contiguous)
+    T, R, P, scale,
+    HEADS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
+    IEEE: tl.constexpr,          # fp32 inputs: exact products (no tf32)
+):
+    # program (b, query tile, split); tile rows are (t, head) pairs: m = t * HEADS + head
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(2)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = offs_m // HEADS
+    head = offs_m % HEADS
+    valid_m = t < T
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    valid_r = offs_r < R
+    valid_p = offs_p < P
+    q_rows = q_ptr + b * sq_b + t[:, None] * sq_t + head[:, None] * sq_h
+    q_lat = tl.load(q_rows + offs_r[None, :], mask=valid_m[:, None] & valid_r[None, :], other=0.0)
+    q_rope = tl.load(q_rows + R + offs_p[None, :], mask=valid_m[:, None] & valid_p[None, :], other=0.0)
+    pos = tl.load(pos_ptr + b * T + t, mask=valid_m, other=-1)
+    row = tl.load(rows_ptr + b).to(tl.int64)
+    # splits partition the row's key range [0, last position + 1) in BLOCK_N-aligned chunks; this
+    # tile stops earlier at its own last query's position
+    row_len = tl.load(pos_ptr + b * T + T - 1) + 1
+    chunk = tl.cdiv(tl.cdiv(row_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, tl.max(pos, axis=0) + 1)
+    base = c_ptr + row * sc_s
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        valid_n = offs_n < end
+        entries = base + offs_n[:, None] * sc_l
+        latent = tl.load(entries + offs_r[None, :], mask=valid_n[:, None] & valid_r[None, :], other=0.0)
+        rope = tl.load(entries + R + offs_p[None, :], mask=valid_n[:, None] & valid_p[None, :], other=0.0)
+        if IEEE:
+            s = (tl.dot(q_lat, tl.trans(latent), input_precision="ieee")
+                 + tl.dot(q_rope, tl.trans(rope), input_precision="ieee")) * scale
+        else:
+            s = (tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))) * scale
+        s = tl.where((offs_n[None, :] <= pos[:, None]) & valid_n[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # a row that has seen no visible key yet keeps m = -inf; shift by 0 there to avoid inf - inf
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - shift)
+        p = tl.exp(s - shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
+        m_i = m_new
+    seen = l_i > 0
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_offs = b * so_b + t[:, None] * so_t + head[:, None] * so_h + split * so_s + offs_r[None, :]
+    tl.store(o_ptr + o_offs, out, mask=valid_m[:, None] & valid_r[None, :])
+    # lse: [B, T, H, SPLITS], contiguous
+    tl.store(lse_ptr + ((b * T + t) * HEADS + head) * SPLITS + split, lse, mask=valid_m)
+
+
+_jitted = False
+
+
+def jit_kernels() -> None:
+    global _jitted, _latent_attention_kernel
+    if _jitted:
+        return
+    if triton is None:
+        raise RuntimeError("triton is not installed")
+    _latent_attention_kernel = triton.jit(_latent_attention_kernel)
+    _jitted = True
+
+
+if kn.should_jit_at_import():
+    jit_kernels()
+
+
+def latent_attention_triton(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
+                            positions: torch.Tensor, scale: float, latent_dim: int, splits: int = 1,
+                            block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> torch.Tensor:
+    """Guarded launch of `_latent_attention_kernel` (+ the log-sum-exp merge of the splits)."""
+    # q: [B, T, H, R + P]; cache: [S, 1, L, R + P]; rows: [B]; positions: [B, T] -> [B, T, H, R]
+    if not _jitted:
+        jit_kernels()
+    B, T, H, D = q.shape
+    R, P = latent_dim, D - latent_dim
+    assert cache.dim() == 4 and cache.shape[1] == 1 and cache.shape[3] == D, \
+        "the latent cache must be [S, 1, L, R + P] like q's last dim"
+    assert 0 < R < D, "latent_dim must leave a rope part"
+    assert q.stride(-1) == 1 and cache.stride(-1) == 1, "the entry dimension must be contiguous"
+    assert cache.dtype == q.dtype, "q and the cache must share a dtype"
+    assert rows.shape == (B,) and positions.shape == (B, T), "rows: [B], positions: [B, T]"
+    assert rows.dtype == torch.int64 and positions.dtype == torch.int64
+    assert positions.is_contiguous() and rows.is_contiguous()
+    assert all(t.device == q.device for t in (cache, rows, positions))
+    part = torch.empty(B, T, H, splits, R, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B, T, H, splits, dtype=torch.float32, device=q.device)
+    if B * T == 0:
+        return q.new_empty(B, T, H, R)
+    tiles = -(-T * H // block_m)
+    _latent_attention_kernel[(B, tiles, splits)](
+        q, cache, rows, positions, part, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        cache.stride(0), cache.stride(2),
+        part.stride(0), part.stride(1), part.stride(2), part.stride(3),
+        T, R, P, float(scale),
+        HEADS=H, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_P=max(16, triton.next_power_of_2(P)),
+        IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    if splits == 1:
+        return part[:, :, :, 0].to(q.dtype)
+    weight = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp(lse)); empty splits have lse = -inf
+    return (part * weight.unsqueeze(-1)).sum(dim=3).to(q.dtype)
+
+
+def query_tiles(queries: int, heads: int) -> int:
+    return -(-queries * heads // BLOCK_M)
+
+
+@torch.library.custom_op("specgen::latent_attention", mutates_args=())
+def latent_attention(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                     scale: float, latent_dim: int, splits: int) -> torch.Tensor:
+    return latent_attention_triton(q, cache, rows, positions, scale, latent_dim, splits)
+
+
+@latent_attention.register_fake
+def _(q, cache, rows, positions, scale, latent_dim, splits):
+    return q.new_empty(*q.shape[:3], latent_dim)
