@@ -9,7 +9,7 @@ from specgen.models.attention import AttentionBatch
 
 def attn(positions: torch.Tensor, kv_len: int, rows: torch.Tensor | None = None,
          use_kernel: bool = False) -> AttentionBatch:
-    return AttentionBatch.build(positions, rows, torch.arange(kv_len), use_kernel)
+    return AttentionBatch.build(positions, rows, torch.arange(kv_len, device=positions.device), use_kernel)
 
 
 def logits(model, tokens, positions, cache, kv_len, rows=None, capture=()):

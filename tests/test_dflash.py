@@ -302,6 +302,62 @@ def test_reference_matches_batched_steps_with_junk_past_last_index(reference_pai
         committed = anchor
 
 
+@pytest.mark.parametrize("layers", ["bidirectional", "causal", "with-sliding"])
+def test_kernel_path_equals_the_reference_path_and_reads_only_live_entries(tmp_path, layers):
+    """On the kernel path (CUDA's: the key bound is the whole allocation) the block's K/V go into the
+    cache's scratch and the Triton kernel (interpreted on CPU) reads each row up to what its queries
+    see (GPU_NOTES 5): the same block logits as the reference path over the same steps, with every
+    cache entry past the block NaN."""
+    from kernel_device import KERNEL_DEVICE
+    from model_calls import attn
+
+    changes = {"is_causal": True} if layers == "causal" else {}
+    window = 4 if layers == "with-sliding" else None
+    config = tiny_dflash_config(TARGET, layers=2, sliding_window=window, target_layer_ids=[0, 2, 4], **changes)
+    folder = write_dflash_checkpoint(tmp_path / layers, config, seed=3)
+    target = load_fp32_target(write_llama_checkpoint(tmp_path / "target", TARGET), KERNEL_DEVICE)
+    draft = load_method_draft("dflash", read_config(folder), folder, target, num_speculative_tokens=K,
+                              dtype=torch.float32, device=KERNEL_DEVICE, dummy=False)
+    kernel_layers = [i for i, w in enumerate(draft.config.sliding_windows) if w is None]
+    g = torch.Generator().manual_seed(5)
+    lengths = [5, 11, 2]
+    steps = []
+    for last in ([0, 2, K], [K, 0, 1]):
+        steps.append((torch.randn(SLOTS, K + 1, WIDTH, generator=g),
+                      torch.randint(0, V, (SLOTS, K + 1), generator=g), torch.tensor(last)))
+    prefills = [(torch.randn(1, n, WIDTH, generator=g), torch.randint(0, V, (1, n), generator=g)) for n in lengths]
+
+    def run(use_kernel: bool) -> torch.Tensor:
+        on = lambda t: t.to(KERNEL_DEVICE)       # noqa: E731
+        cache = draft.new_cache(SLOTS, MAX_LEN, torch.float32, KERNEL_DEVICE)
+        kv_len = MAX_LEN if use_kernel else 32
+        for b, (aux, tokens) in enumerate(prefills):
+            n = tokens.shape[1]
+            positions = on(torch.arange(n).unsqueeze(0))
+            draft.propose(on(aux), on(tokens), positions, on(torch.tensor([n - 1])), cache,
+                          attn(positions, kv_len, on(torch.tensor([b])), use_kernel), Recorder())
+        committed = torch.tensor(lengths)
+        recorded = []
+        for aux, tokens, last_index in steps:
+            positions = committed.unsqueeze(1) + torch.arange(K + 1)
+            block_end = committed + last_index + 1 + K
+            if use_kernel:   # (a sliding layer keeps the reference path: its cache stays clean)
+                for b in range(SLOTS):
+                    for i in kernel_layers:
+                        cache.k[i][b, :, block_end[b] + 1:] = float("nan")
+                        cache.v[i][b, :, block_end[b] + 1:] = float("nan")
+            rec = Recorder()
+            draft.propose(on(aux), on(tokens), on(positions), on(last_index), cache,
+                          attn(on(positions), kv_len, None, use_kernel), rec)
+            recorded.append(rec.stacked().cpu())
+            committed = committed + last_index + 1
+        return torch.stack(recorded)
+
+    kernel, reference = run(True), run(False)
+    assert torch.isfinite(kernel).all()
+    torch.testing.assert_close(kernel, reference, atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------------ through the real runner
 
 

@@ -89,8 +89,9 @@ def recipe_for(pairings, name, with_draft=True, **settings):
     return recipe(target, method, draft, k, **settings)
 
 
-def oracle_runner(real: Runner, references, compile: bool) -> Runner:
-    step = UnifiedStep(real.unified.target, OracleProposals(real.unified.draft, references))
+def oracle_runner(real: Runner, references, compile: bool, use_kernel: bool = False) -> Runner:
+    step = UnifiedStep(real.unified.target, OracleProposals(real.unified.draft, references),
+                       use_kernel=use_kernel)
     return Runner(step, batch_size=real.batch_size, max_seq_len=real.max_seq_len, rules=real.rules,
                   sampling=real.sampling, seed=real.seed, device=real.device, dtype=torch.float32,
                   compile=compile)
@@ -122,3 +123,23 @@ def test_a_real_draft_that_proposes_the_targets_tokens_keeps_the_plain_output(pa
     # the accept path was taken at every length: rejected at once, and every draft of a step accepted
     assert histogram[0] > 0 and histogram[k] > 0, histogram
     assert totals.spec.mean_acceptance_length > 1.5, histogram
+
+
+@pytest.mark.parametrize("name", ["llama-eagle3", "kimi-dflash"])
+def test_the_attention_kernel_path_keeps_the_plain_output(pairings, name):
+    """The step CUDA runs: the Triton attention kernels (interpreted here) over the whole allocation,
+    GQA for Llama and the EAGLE-3 layer, the latent kernel for Kimi's MLA, DFlash's block through the
+    cache's scratch; greedy, every acceptance length."""
+    from kernel_device import KERNEL_DEVICE
+
+    if KERNEL_DEVICE.type == "cuda":
+        pytest.skip("test_gpu.py runs the kernel path on the GPU itself")
+    ids = prompts(lengths=(3, 11, 6, 17))
+    plain, _ = run(runner_for(recipe_for(pairings, name, with_draft=False, batch=2)), ids)
+    real = runner_for(recipe_for(pairings, name, batch=2))
+    runner = oracle_runner(real, references_of(ids, plain), compile=False, use_kernel=True)
+    assert runner.kv_bucket(0) == runner.alloc_len       # the kernel path's bound: the whole allocation
+    got, totals = run(runner, ids)
+    assert got == plain
+    k = pairings[name][3]
+    assert totals.spec.acceptance_histogram[0] > 0 and totals.spec.acceptance_histogram[k] > 0

@@ -24,8 +24,13 @@ Conventions here:
 - Context K/V live in the draft's own KVCache, one layer per draft layer, aligned with the target's
   cache: the entry for position p is at p. Each call writes all T new positions; entries past the
   committed length are scratch that the mask hides and the next step overwrites (vLLM's
-  `DFlashProposer` precomputes context K/V into the draft cache the same way). The block's own K/V
-  are never cached.
+  `DFlashProposer` precomputes context K/V into the draft cache the same way).
+- Two attention paths, the same attention. Reference (CPU, tests): SDPA over the context keys below
+  the step's key bound concatenated with the block's K/V, under `block_masks`. Kernel (CUDA, where
+  the bound is the whole allocation, GPU_NOTES 5): the block's K/V are written into the cache at the
+  block's positions (scratch: past the committed length) and the Triton attention kernel reads each
+  row only up to what its queries see: the block's last position for a bidirectional layer, the
+  query's own for a causal one. Sliding-window layers keep the reference path.
 - Config: `block_size` at top level or in `dflash_config` (reference default 16);
   `dflash_config.mask_token_id` (must be a row of the target embedding); `target_layer_ids` in
   `dflash_config`, else the reference default `build_target_layer_ids(num_target_layers,
@@ -42,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgen.drafts.base import DraftBuilder, Pick, TargetFit, read_draft_config
+from specgen.kernels import attention as attention_kernel
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
     GatedMLP,
@@ -190,20 +196,33 @@ class DFlashAttention(nn.Module):
         k, v = self._heads(F.linear(ctx, self.qkv_proj.weight[q_rows:], bias), 2 * self.kv_heads).chunk(2, dim=2)
         return apply_rope(self.k_norm(k), cos, sin), v
 
+    def block_qkv(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # x: [B, L, H] normed block -> q [B, L, Hq, D], k and v [B, L, Hkv, D] (normed, rotated)
+        q, k, v = self._heads(self.qkv_proj(x), self.heads + 2 * self.kv_heads).split(
+            [self.heads, self.kv_heads, self.kv_heads], dim=2)
+        return apply_rope(self.q_norm(q), cos, sin), apply_rope(self.k_norm(k), cos, sin), v
+
     def forward(self, x, cos, sin, context_k, context_v, mask) -> torch.Tensor:
         # x: [B, L, H] normed block; context_k, context_v: [B, Hkv, kv_len, D];
         # mask: [B, 1, L, kv_len + L] -> [B, L, H]
         batch, length, _ = x.shape
-        q, k, v = self._heads(self.qkv_proj(x), self.heads + 2 * self.kv_heads).split(
-            [self.heads, self.kv_heads, self.kv_heads], dim=2)
-        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
-        k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)
-        v = v.transpose(1, 2)
+        q, k, v = (t.transpose(1, 2) for t in self.block_qkv(x, cos, sin))
         keys = torch.cat((context_k.to(k.dtype), k), dim=2)
         values = torch.cat((context_v.to(v.dtype), v), dim=2)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                              enable_gqa=self.heads != self.kv_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))
+
+    def forward_cached(self, x, cos, sin, cache: KVCache, layer: int, rows, block_pos, visible,
+                       splits: int) -> torch.Tensor:
+        # x: [B, L, H] normed block; rows: [B] cache rows; block_pos: [B, L] the block's positions;
+        # visible: [B, L] the last key position each query sees -> [B, L, H]
+        batch, length, _ = x.shape
+        q, k, v = self.block_qkv(x, cos, sin)
+        cache.write(layer, rows, block_pos, k, v)
+        out = attention_kernel.cached_attention(q, cache.k[layer], cache.v[layer], rows, visible,
+                                                self.head_dim ** -0.5, splits)
+        return self.o_proj(out.reshape(batch, length, -1))
 
 
 class DFlashLayer(nn.Module):
@@ -216,6 +235,11 @@ class DFlashLayer(nn.Module):
 
     def forward(self, x, cos, sin, context_k, context_v, mask):
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward_cached(self, x, cos, sin, cache, layer, rows, block_pos, visible, splits):
+        h = x + self.self_attn.forward_cached(self.input_layernorm(x), cos, sin, cache, layer, rows,
+                                              block_pos, visible, splits)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -284,11 +308,27 @@ class DFlashDraft(nn.Module):
         block_pos = anchor_pos.unsqueeze(1) + torch.arange(k + 1, device=aux.device)
         x = self.embed_block(anchor.unsqueeze(1), k)                            # [B, k + 1, H]
         cos_b, sin_b = rope_cos_sin(block_pos, self.inv_freq, x.dtype)
-        layer_masks = block_masks(self.config, block_pos, attn.key_index)
+        windows = self.config.sliding_windows
+        on_kernel = [attn.use_kernel and window is None for window in windows]
+        if not all(on_kernel):
+            layer_masks = block_masks(self.config, block_pos, attn.key_index)
+        if any(on_kernel):
+            # what each query sees: a bidirectional layer the whole block, a causal one up to itself
+            whole_block = block_pos[:, -1:].expand(-1, k + 1).contiguous()
+            splits = 1
+            if attn.num_sms > 1:
+                c = self.config
+                tiles = attention_kernel.query_tiles(k + 1, c.num_heads // c.num_kv_heads)
+                splits = attention_kernel.choose_splits(batch, c.num_kv_heads, tiles, cache.max_len,
+                                                        attn.num_sms)
         kv_len = attn.key_index.shape[0]
         for i, layer in enumerate(self.layers):
             # The context enters k_proj / v_proj as is (no input_layernorm), like the reference.
             cache.write(i, cache_rows, positions, *layer.self_attn.context_kv(ctx, cos_c, sin_c))
+            if on_kernel[i]:
+                visible = block_pos if self.config.causal[i] else whole_block
+                x = layer.forward_cached(x, cos_b, sin_b, cache, i, cache_rows, block_pos, visible, splits)
+                continue
             keys, values = cache.k[i][:, :, :kv_len], cache.v[i][:, :, :kv_len]
             if attn.rows is not None:
                 keys, values = keys[attn.rows], values[attn.rows]
