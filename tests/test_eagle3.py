@@ -131,18 +131,21 @@ class ReferenceEagle3:
         prefix = "midlayer." if any(k.startswith("midlayer.") for k in raw) else "layers.0."
         self.w = {k.removeprefix(prefix): v.float() for k, v in raw.items()}
         self.embedding = self.w.get("embed_tokens.weight", target_embedding)
-        self.heads = config["num_attention_heads"]
-        self.kv_heads = config["num_key_value_heads"]
-        self.head_dim = config["hidden_size"] // self.heads
         self.eps = config["rms_norm_eps"]
         self.norm_before_residual = bool(config.get("norm_before_residual", False))
-        assert not config.get("rope_scaling") and not config.get("rope_parameters")
-        theta = config.get("rope_theta", 10000.0)            # the draft's own RoPE, not the target's
-        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        self.init_attention(config)
         dvocab = config.get("draft_vocab_size") or config["vocab_size"]
         self.vocab = config["vocab_size"]
         d2t = raw.get("d2t", torch.zeros(dvocab, dtype=torch.long))
         self.draft_to_target = torch.arange(dvocab) + d2t.long()     # d2t is an OFFSET
+
+    def init_attention(self, config: dict) -> None:
+        self.heads = config["num_attention_heads"]
+        self.kv_heads = config["num_key_value_heads"]
+        self.head_dim = config["hidden_size"] // self.heads
+        assert not config.get("rope_scaling") and not config.get("rope_parameters")
+        theta = config.get("rope_theta", 10000.0)            # the draft's own RoPE, not the target's
+        self.inv_freq = 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: [N, heads, d]; rotate-half
@@ -154,9 +157,19 @@ class ReferenceEagle3:
 
     def layer(self, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         # h: [N, H] entry inputs (the residual); tokens: [N]; entry p sits at position p -> [N, H]
-        w, n, d = self.w, h.shape[0], self.head_dim
+        w = self.w
         normed = rms_norm(h, w["hidden_norm.weight"], self.eps)
         x = torch.cat((rms_norm(self.embedding[tokens], w["input_layernorm.weight"], self.eps), normed), -1)
+        residual = normed if self.norm_before_residual else h        # SpecForge's flag; default false
+        h1 = residual + self.attention(x)
+        m = rms_norm(h1, w["post_attention_layernorm.weight"], self.eps)
+        gate, up = m @ w["mlp.gate_proj.weight"].T, m @ w["mlp.up_proj.weight"].T
+        mlp = (F.silu(gate) * up) @ w["mlp.down_proj.weight"].T
+        return h1 + mlp
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, 2H] entry inputs at positions 0..N-1 -> causal GQA attention after o_proj [N, H]
+        w, n, d = self.w, x.shape[0], self.head_dim
         q = (x @ w["self_attn.q_proj.weight"].T).view(n, self.heads, d)
         k = (x @ w["self_attn.k_proj.weight"].T).view(n, self.kv_heads, d)
         v = (x @ w["self_attn.v_proj.weight"].T).view(n, self.kv_heads, d)
@@ -168,12 +181,7 @@ class ReferenceEagle3:
         causal = torch.ones(n, n, dtype=torch.bool).tril()
         attn = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         out = torch.einsum("hqk,khd->qhd", attn, v).reshape(n, self.heads * d)
-        residual = normed if self.norm_before_residual else h        # SpecForge's flag; default false
-        h1 = residual + out @ w["self_attn.o_proj.weight"].T
-        m = rms_norm(h1, w["post_attention_layernorm.weight"], self.eps)
-        gate, up = m @ w["mlp.gate_proj.weight"].T, m @ w["mlp.up_proj.weight"].T
-        mlp = (F.silu(gate) * up) @ w["mlp.down_proj.weight"].T
-        return h1 + mlp
+        return out @ w["self_attn.o_proj.weight"].T
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         draft_logits = rms_norm(hidden, self.w["norm.weight"], self.eps) @ self.w["lm_head.weight"].T
@@ -195,6 +203,41 @@ class ReferenceEagle3:
             hs.append(o[-1])                                       # pre-norm output fed back
             toks.append(token)
         return torch.tensor(out_tokens), torch.stack(out_logits)
+
+
+class ReferenceMlaEagle3(ReferenceEagle3):
+    """The same chain with nvidia Kimi-K2.5-Thinking-Eagle3's MLA decoder layer, whose attention is
+    transformers' own DeepseekV3Attention (expanded per-head keys and values, yarn RoPE with its
+    softmax correction, interleaved rotary pairs) on the checkpoint's tensors: q_a / kv_a read the
+    2H input, o_proj writes H."""
+
+    def init_attention(self, config: dict) -> None:
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3Attention,
+            DeepseekV3RotaryEmbedding,
+        )
+
+        h = config["hidden_size"]
+        fields = ("num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank",
+                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_theta", "rope_scaling",
+                  "max_position_embeddings", "rms_norm_eps")
+        hf = DeepseekV3Config(**{k: config[k] for k in fields}, hidden_size=2 * h, attention_bias=False)
+        hf._attn_implementation = "eager"
+        self.hf_attention = DeepseekV3Attention(hf, layer_idx=0).eval()
+        self.hf_attention.o_proj = torch.nn.Linear(hf.num_attention_heads * hf.v_head_dim, h, bias=False)
+        state = {k.removeprefix("self_attn."): v for k, v in self.w.items() if k.startswith("self_attn.")}
+        self.hf_attention.load_state_dict(state)
+        self.hf_rope = DeepseekV3RotaryEmbedding(hf)
+
+    def attention(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [N, 2H] -> [N, H]
+        n = x.shape[0]
+        positions = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        with torch.no_grad():
+            out, _ = self.hf_attention(x[None], self.hf_rope(x[None], positions), mask)
+        return out[0]
 
 
 # ------------------------------------------------------------------------------------ 1. layouts
@@ -399,11 +442,19 @@ def test_target_hidden_size_mismatch_is_rejected(tmp_path, target):
 # ---------------------------------------------------- 6. the cached, batched draft = the definition
 
 
-@pytest.fixture(scope="module")
-def reference_pair(tmp_path_factory, target):
-    """A reduced-vocabulary draft with its own RoPE theta (not the target's llama3 scaling)."""
+@pytest.fixture(scope="module", params=["gqa", "mla"])
+def reference_pair(request, tmp_path_factory, target):
+    """gqa: a reduced-vocabulary draft with its own RoPE theta (not the target's llama3 scaling);
+    mla: Kimi K2.5's MLA draft layer (yarn RoPE), checked against transformers' MLA attention."""
+    embedding = target.model.embed_tokens.weight
+    if request.param == "mla":
+        from checkpoints_deepseek import tiny_mla_eagle3_config, write_mla_eagle3_checkpoint
+
+        folder = write_mla_eagle3_checkpoint(tmp_path_factory.mktemp("ref") / "mla",
+                                             tiny_mla_eagle3_config(TARGET), TARGET)
+        return load_draft(folder, target, k=4), ReferenceMlaEagle3(folder, embedding)
     folder = write_draft(tmp_path_factory.mktemp("ref") / "d", config={"rope_theta": 1000.0})
-    return load_draft(folder, target, k=4), ReferenceEagle3(folder, target.model.embed_tokens.weight)
+    return load_draft(folder, target, k=4), ReferenceEagle3(folder, embedding)
 
 
 def test_reference_matches_prefill_into_one_slot(reference_pair):
