@@ -131,6 +131,40 @@ def test_int4_unpacking_matches_the_format_elementwise():
         dequantize_int4_packed(parts["weight_packed"][:, :4], parts["weight_scale"], parts["weight_shape"])
 
 
+def test_int4_dequantisation_equals_compressed_tensors_on_the_same_bytes():
+    """The format's own library (compressed-tensors, which wrote Kimi K2.5's release) packs random
+    INT4 values and dequantises them; ours reads its bytes to the same numbers (the format's groups
+    tile the inputs: compressed-tensors refuses a partial group)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    gen = torch.Generator().manual_seed(2)
+    rows, cols, group = 5, 96, 32
+    values = torch.randint(-8, 8, (rows, cols), generator=gen, dtype=torch.int8)
+    scale = (torch.rand(rows, -(-cols // group), generator=gen) + 0.05).to(torch.bfloat16)
+    packed = pack_to_int32(values, 4)
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
+    theirs = dequantize(unpack_from_int32(packed, 4, torch.Size([rows, cols])), scale.float(), None, args,
+                        dtype=torch.float32)
+    ours = dequantize_int4_packed(packed, scale, (rows, cols), group)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert torch.equal(ours, values.float() * scale.float().repeat_interleave(group, 1)[:, :cols])
+
+
+def test_fp8_dequantisation_equals_transformers_on_the_same_bytes():
+    """transformers' fine-grained FP8 integration (what loads DeepSeek-V3's release with
+    `dequantize=True`) on the same e4m3 bytes and block scales, ragged edge blocks included."""
+    fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    if not hasattr(fp8, "_dequantize_fp8_weight"):
+        pytest.skip("this transformers has no _dequantize_fp8_weight")
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(40, 72, generator=gen)
+    q, scale_inv = quantize_fp8(weight, [16, 32])
+    theirs = fp8._dequantize_fp8_weight(q, scale_inv, [16, 32], torch.float32)
+    torch.testing.assert_close(dequantize_fp8_block(q, scale_inv, (16, 32)), theirs, rtol=0, atol=0)
+
+
 def test_kimi_accepts_both_spellings(tmp_path):
     config = tiny_kimi_config(model_type="deepseek_v3")
     text = config["text_config"]
