@@ -73,6 +73,10 @@ def freezes(device: torch.device, slots: int) -> bool:
     return device.type == "cpu" and slots <= CPU_FREEZE_MAX_SLOTS
 
 
+# A pointwise buffer read more than once is stored, not inlined, above this many ops (CPU).
+CPU_REALIZE_OPCOUNT = 20
+
+
 def compiles_prefill(device: torch.device) -> bool:
     """Whether a compiled runner compiles its prefill too: on CUDA, where it pays (launches); on CPU
     its large GEMMs gain little from Inductor, so it stays eager."""
@@ -203,6 +207,14 @@ class StepFunctions:
         if self.frozen:
             use_cpu_gemm_template()
         self._options = {}
+        if device.type == "cpu" and not sampling.all_greedy:
+            # Inductor inlines a pointwise producer into each load of it and only then removes the
+            # repeats, so a chain of ops that each read their input twice (the noise hash's
+            # xor-shifts and split multiplies, kernels/keyed_noise.py) is traced 2^depth times:
+            # with the CPU's default threshold (50 ops) a sampled step's verify took 150 s to
+            # compile (a 96-token vocabulary; 14 s above 20 ops, where a reused buffer is stored
+            # instead). Greedy steps never hash (verify_greedy) and keep Inductor's default.
+            self._options["realize_opcount_threshold"] = CPU_REALIZE_OPCOUNT
         # Each compiled function has a code object of its own (own_code); a few recompiles remain
         # possible (a sampling flag that widens, the prefill's shapes).
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
