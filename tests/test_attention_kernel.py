@@ -33,6 +33,7 @@ def case(B, T, Hq, Hkv, D, L=80, slots=None, seed=0, dtype=torch.float32, device
     (2, 4, 8, 2, 16, 3),     # split-K: partial results merged by log-sum-exp
     (2, 9, 6, 3, 32, 2),     # tile rows (t, g) spanning several query tiles
     (1, 37, 4, 1, 24, 1),    # prefill-sized T, head_dim not a power of two, MQA
+    (2, 5, 16, 4, 128, 2),   # Llama-3's head width, GQA 4
     (2, 3, 8, 1, 320, 2),    # MLA-like: one latent head wider than 256 (the wide-head tile sizes)
 ])
 def test_kernel_equals_reference(B, T, Hq, Hkv, D, splits):

@@ -383,7 +383,8 @@ def test_compiled_rotary_angles_are_stored_once_with_the_eager_bits():
 def test_the_compiled_prefill_of_a_capturing_target_equals_eager(models, monkeypatch):  # noqa: F811
     """CUDA compiles the prefill as well (dynamic rows and length); its first run on an H200 failed
     to trace the layers an EAGLE-3 target captures. Compiled here on CPU, where it is otherwise
-    eager: the tokens and the drafts' acceptances are the eager runner's."""
+    eager: the tokens and the drafts' acceptances are the eager runner's, and the warm-up compiled
+    every graph the run needs."""
     import specgen.pipelines.compiled as compiled
 
     target, draft = models
@@ -392,6 +393,11 @@ def test_the_compiled_prefill_of_a_capturing_target_equals_eager(models, monkeyp
     monkeypatch.setattr(compiled, "compiles_prefill", lambda device: True)
     runner = runner_for(make_recipe(target, draft, k=2, batch=2, compile=True))
     assert runner.functions.prefill_compiled
+    runner.warm_up()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     tokens, totals = run(runner, ids, max_tokens=10)
+    # ragged prompts (one and two rows, lengths 2 to 17) after the warm-up: nothing compiled mid-run
+    # (GPU_NOTES 6: a guard on the prompt length would compile again at the first longer prompt)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert tokens == eager
     assert totals.spec.acceptance_histogram == eager_totals.spec.acceptance_histogram

@@ -21,12 +21,17 @@ from specgen.recipe import recipe_from_dict
 
 pytestmark = pytest.mark.gpu
 
+VOCAB = 2500
+DEEPSEEK_VOCAB = 512   # the MLA / MoE pairings (the real MLA widths: test_latent_attention_kernel.py)
+
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu")
-    config = tiny_llama_config(vocab_size=512, hidden_size=128, num_attention_heads=8,
-                               num_key_value_heads=2, intermediate_size=256)
+    # realistic head width (64, SmolLM2's; the attention-kernel tests add 128) and a vocabulary over
+    # the verify kernel's block (1024), not a multiple of it: the multi-block walk and its masked tail
+    config = tiny_llama_config(vocab_size=VOCAB, hidden_size=512, num_attention_heads=8,
+                               num_key_value_heads=2, intermediate_size=512)
     return {
         "target": write_llama_checkpoint(root / "target", config),
         "eagle3": write_eagle3_checkpoint(root / "eagle3", tiny_eagle3_config(config), config),
@@ -56,14 +61,37 @@ def tokens_of(recipe, ids, max_tokens=24):
     runner, _, _ = build_runner(recipe, resolve(recipe), recipe.sampling.seed)
     try:
         assert runner.unified.use_kernel, "the Triton attention kernel must run on CUDA"
-        return run(runner, ids, max_tokens)
+        return run_checked(runner, ids, max_tokens)
     finally:
         runner.close()
 
 
+def run_checked(runner, ids, max_tokens=24):
+    """`run`, and for a compiled runner: every graph compiled by the warm-up (nothing mid-run), no
+    CUDA graph skipped, and graphs recorded (GPU_NOTES 8)."""
+    from torch._dynamo.utils import counters
+
+    runner.warm_up()
+    graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+    out = run(runner, ids, max_tokens)
+    if runner.compiled:
+        assert counters["stats"]["unique_graphs"] == graphs, "compiled again mid-run"
+        assert counters["inductor"]["cudagraph_skips"] == skips, "a step ran without its CUDA graph"
+        assert recorded_cuda_graphs(runner.device) > 0
+    return out
+
+
+def recorded_cuda_graphs(device: torch.device) -> int:
+    """Graphs Inductor's CUDA-graph trees hold for `device` (their roots)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+    return 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values())
+
+
 @pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
 def test_bf16_greedy_speculative_equals_plain_in_cuda_graphs(checkpoints, method):
-    ids = prompts(vocab=512)
+    ids = prompts(vocab=VOCAB)
     plain, _ = tokens_of(cuda_recipe(checkpoints), ids)
     spec, totals = tokens_of(cuda_recipe(checkpoints, method), ids)
     assert totals.spec.num_drafts > 0
@@ -82,13 +110,13 @@ def test_switching_k_in_cuda_graphs_keeps_the_output(checkpoints):
     each step's narrower or wider output read back through the pinned ring, the plain tokens."""
     from test_adaptive import SCHEDULE, ScriptedPolicy
 
-    ids = prompts(vocab=512)
+    ids = prompts(vocab=VOCAB)
     plain, _ = tokens_of(cuda_recipe(checkpoints, dtype="float32"), ids)
     recipe = cuda_recipe(checkpoints, "eagle3", dtype="float32", k=max(SCHEDULE))
     runner, _, _ = build_runner(recipe, resolve(recipe), recipe.sampling.seed)
     try:
         runner.use_policy(ScriptedPolicy(SCHEDULE))
-        spec, totals = run(runner, ids, 24)
+        spec, totals = run_checked(runner, ids, 24)
     finally:
         runner.close()
     assert spec == plain, divergence(spec, plain)
@@ -96,7 +124,7 @@ def test_switching_k_in_cuda_graphs_keeps_the_output(checkpoints):
 
 
 def test_bf16_seeded_sampled_speculative_equals_plain_with_the_kernels(checkpoints):
-    ids = prompts(vocab=512)
+    ids = prompts(vocab=VOCAB)
     sampling = {"temperature": 0.8, "top_p": 0.9}
     plain, _ = tokens_of(cuda_recipe(checkpoints, **sampling), ids)
     greedy, _ = tokens_of(cuda_recipe(checkpoints), ids)
@@ -109,7 +137,7 @@ def test_bf16_seeded_sampled_speculative_equals_plain_with_the_kernels(checkpoin
 
 
 def test_cuda_graph_step_equals_eager_and_the_cpu_reference(checkpoints):
-    ids = prompts(vocab=512)
+    ids = prompts(vocab=VOCAB)
     graphed, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32"), ids)
     eager, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32", compile=False), ids)
     assert graphed == eager
@@ -125,7 +153,7 @@ def test_cuda_graph_step_equals_eager_and_the_cpu_reference(checkpoints):
 def test_batch_64_with_ragged_prompts_and_refills(checkpoints):
     gen = torch.Generator().manual_seed(5)
     lengths = torch.randint(1, 300, (150,), generator=gen).tolist()
-    ids = prompts(vocab=512, lengths=lengths)
+    ids = prompts(vocab=VOCAB, lengths=lengths)
     big, totals = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32", batch=64), ids)
     small, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype="float32", batch=3, compile=False), ids)
     assert big == small and totals.requests == 150
@@ -135,7 +163,7 @@ def test_batch_64_with_ragged_prompts_and_refills(checkpoints):
 def deepseek_pairings(tmp_path_factory):
     from test_deepseek_pairings import write_pairings
 
-    return write_pairings(tmp_path_factory.mktemp("gpu-deepseek"), 512)
+    return write_pairings(tmp_path_factory.mktemp("gpu-deepseek"), DEEPSEEK_VOCAB)
 
 
 
@@ -158,7 +186,7 @@ def test_bf16_deepseek_pairings_equal_plain_in_cuda_graphs(deepseek_pairings, na
     """MLA (latent cache through the attention kernel, head dim kv_lora_rank + rope) and MoE (grouped
     GEMM in bf16) inside the CUDA graph, for each DeepSeek-V3 / Kimi K2.5 pairing."""
     target, method, draft, k = deepseek_pairings[name]
-    ids = prompts(vocab=512)
+    ids = prompts(vocab=DEEPSEEK_VOCAB)
     plain, _ = tokens_of(deepseek_recipe(target, "none", None, k), ids)
     spec, totals = tokens_of(deepseek_recipe(target, method, draft, k), ids)
     assert totals.spec.num_drafts > 0
@@ -176,7 +204,7 @@ def test_relaxed_acceptance_in_cuda_graphs_equals_eager(deepseek_pairings):
 
     target, method, draft, k = deepseek_pairings["kimi-eagle3-mla"]
     markers = ReasoningMarkers(500, 3)                  # the test's markers; real runs find them by string
-    ids = [p + [500] for p in prompts(vocab=512)]       # each prompt opens a reasoning span
+    ids = [p + [500] for p in prompts(vocab=DEEPSEEK_VOCAB)]       # each prompt opens a reasoning span
     results = []
     for compile in (False, True):
         recipe = deepseek_recipe(target, method, draft, k, compile=compile, temperature=0.8, top_p=0.95)
@@ -188,7 +216,7 @@ def test_relaxed_acceptance_in_cuda_graphs_equals_eager(deepseek_pairings):
                         compile=compile, reasoning=markers)
         base.close()
         try:
-            results.append(run(runner, ids))
+            results.append(run_checked(runner, ids))
         finally:
             runner.close()
     (eager, _), (graphed, totals) = results

@@ -161,7 +161,8 @@ class LatentAttention(nn.Module):
         # x: [B, T, in_dim] -> [B, T, hidden]
         q_nope, q_rope, entry = self.project(x, cos, sin)
         B, T = x.shape[:2]
-        if T > ABSORB_MAX_QUERIES and not batch.use_kernel:
+        # the kernel path is tested first: a compiled prefill then never guards on the prompt length
+        if not batch.use_kernel and T > ABSORB_MAX_QUERIES:
             out = self._expanded(q_nope, q_rope, entry, cache, layer, batch)
         else:
             out = self._absorbed(q_nope, q_rope, entry, cache, layer, batch)
