@@ -262,22 +262,26 @@ def test_sampled_speculative_output_has_the_target_distribution(small_vocab_mode
         assert chi_square_p(samples, probs) > 1e-3, f"output token {position + 1} is off-distribution"
 
 
-def test_distribution_test_catches_a_lossy_verifier(small_vocab_models, monkeypatch):
-    """Negative control: accepting every stochastic draft (a classic bug) must fail the same test."""
-    import specgen.pipelines.unified as unified
+def accepting_everything(honest):
+    """A lossy verify (a classic bug): every draft accepted, then the honest rule's token after them."""
 
-    honest = unified.verify
-
-    def accept_everything(logprobs, drafts, draft_probs, greedy, key, positions, **flags):
+    def verify(logprobs, drafts, draft_probs, greedy, key, positions, **flags):
         accepted, emitted, _ = honest(logprobs, drafts, draft_probs, greedy, key, positions, **flags)
         k = drafts.shape[1]
         bonus = emitted.gather(1, accepted.unsqueeze(1))
         return torch.full_like(accepted, k), torch.cat((drafts, bonus), 1), torch.zeros_like(accepted)
 
+    return verify
+
+
+def test_distribution_test_catches_a_lossy_verifier(small_vocab_models, monkeypatch):
+    """Negative control: accepting every stochastic draft (a classic bug) must fail the same test."""
+    import specgen.pipelines.unified as unified
+
     target, draft = small_vocab_models
     prompt, n = [5, 9, 2, 17, 11], 3000
     runner = runner_for(make_recipe(target, draft, k=2, batch=64, stochastic=True, temperature=1.0))
-    monkeypatch.setattr(unified, "verify", accept_everything)
+    monkeypatch.setattr(unified, "verify", accepting_everything(unified.verify))
     results, _ = run(runner, [prompt] * n, max_tokens=3, ids=[f"r{i}" for i in range(n)])
     monkeypatch.undo()
     marginals = exact_marginals(runner, prompt, 3)
