@@ -69,7 +69,8 @@ def test_greedy_continuation_matches_transformers_generate(smollm2, method):
     assert got == expected
 
 
-def _shipped_draft_run(method: str, draft_dtype: str | None, prompts: list[list[int]], n_new: int):
+def _shipped_draft_run(method: str, draft_dtype: str | None, prompts: list[list[int]], n_new: int,
+                       miswire: bool = False):
     from pathlib import Path
 
     draft = {"method": method, "num_speculative_tokens": 2}
@@ -83,16 +84,31 @@ def _shipped_draft_run(method: str, draft_dtype: str | None, prompts: list[list[
         "runtime": {"device": "cpu", "batch_size": 2, "max_seq_len": 256, "compile": False},
     })
     runner, _, _ = build_runner(recipe, resolve(recipe), 0)
+    if miswire:   # a wiring bug: the draft gets the target's features with their hidden units reversed
+        draft = runner.unified.draft
+        propose = draft.propose
+        draft.propose = lambda features, *args, **kwargs: propose(features.flip(-1), *args, **kwargs)
     got = {}
     totals = runner.run([Request(f"p{i}", ids, n_new, i) for i, ids in enumerate(prompts)],
                         lambda c: got.__setitem__(c.id, c.token_ids))
     return got, totals
 
 
+# Each shipped draft's acceptance rate on the first two PROMPTS (32 greedy tokens, K = 2, float32),
+# measured at 4b66bc1 by `_shipped_draft_run(method, "float32", ids, 32, miswire=...)` as below:
+# EAGLE-3 14 of 96 drafts (0.146),
+# miswired 1 of 122; MTP 15 of 94 (0.16), miswired 9 of 106 (its token embedding alone guesses some);
+# DFlash 2 of 120, miswired 3 of 118: on these prompts the shipped DFlash draft cannot be told from
+# one fed the wrong features (issue 21: a DFlash draft worth shipping), so its control is not asserted.
+FLOOR = {"eagle3": 0.08, "mtp": 0.08, "dflash": 0.005}
+CONTROL_MARGIN = {"eagle3": 0.5, "mtp": 1.0, "dflash": None}   # miswired < margin x real
+
+
 @pytest.mark.parametrize("method", ["eagle3", "mtp", "dflash"])
-def test_a_bfloat16_draft_beside_a_float32_target_keeps_its_output_and_its_acceptance(smollm2, method):
-    """The draft only proposes: in bf16 (half the bytes per pass) the float32 target's output is the
-    same, and the shipped draft still agrees with it about as often as in float32."""
+def test_a_shipped_draft_is_accepted_and_in_bfloat16_keeps_the_output_and_its_acceptance(smollm2, method):
+    """Each shipped draft (drafts/) agrees with the target often enough, and a copy fed the wrong
+    features (a wiring bug no equality test sees) does not; the draft only proposes, so in bf16 (half
+    the bytes per pass) the float32 target's output is the same and the acceptance about the same."""
     _, _, tokenizer = smollm2
     ids = [tokenizer.encode(text) for text in PROMPTS[:2]]
     plain, _ = _shipped_draft_run("none", None, ids, 32)
@@ -101,7 +117,11 @@ def test_a_bfloat16_draft_beside_a_float32_target_keeps_its_output_and_its_accep
         out, totals = _shipped_draft_run(method, dtype, ids, 32)
         assert out == plain, dtype
         acceptance[dtype] = totals.spec.num_accepted_tokens / totals.spec.num_draft_tokens
-    assert acceptance["float32"] > 0             # the accept path is taken
-    # a bf16 draft fed the wrong features or weights would fall to ~0 (EAGLE-3 and MTP accept 0.2-0.4
-    # of their drafts here; DFlash a few per cent, it is the weakest shipped draft)
+    assert acceptance["float32"] >= FLOOR[method], acceptance
+    if CONTROL_MARGIN[method] is not None:
+        # the shipped draft really drafts: fed the wrong features it accepts far less
+        _, totals = _shipped_draft_run(method, "float32", ids, 32, miswire=True)
+        miswired = totals.spec.num_accepted_tokens / totals.spec.num_draft_tokens
+        assert miswired < CONTROL_MARGIN[method] * acceptance["float32"], (miswired, acceptance)
+    # in bf16 it agrees with the target about as often
     assert acceptance["bfloat16"] >= acceptance["float32"] - 0.1, acceptance
