@@ -106,6 +106,33 @@ def _rowwise_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 # ---------------------------------------------------------------------------------------------------
 
 
+def _online_softmax_dev(s, m_i, l_i):
+    # one block of scores [M, N] into the running max and sum of each row: (p, alpha, m, l), where
+    # the accumulator is rescaled by alpha before p's products are added
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # a row that has seen no visible key yet keeps m = -inf; shift by 0 there to avoid inf - inf
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - shift)
+    p = tl.exp(s - shift[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+def _split_range_dev(row_pos_ptr, T, pos, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Splits partition the row's whole key range [0, last position + 1) in BLOCK_N-aligned chunks;
+    # a tile stops earlier at its own last query's position (pos: its queries' positions, -1 padding).
+    row_len = tl.load(row_pos_ptr + T - 1) + 1
+    chunk = tl.cdiv(tl.cdiv(row_len, SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, tl.max(pos, axis=0) + 1)
+
+
+def _finish_dev(acc, m_i, l_i):
+    # -> (the normalised output [M, D], the log-sum-exp [M]; -inf for a row that saw no key)
+    seen = l_i > 0
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    return acc / tl.where(seen, l_i, 1.0)[:, None], lse
+
+
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, o_ptr, lse_ptr,
     sq_b, sq_t, sq_h,            # q strides (the last one is 1)
@@ -133,12 +160,7 @@ def _attention_kernel(
                 mask=valid_m[:, None] & valid_d[None, :], other=0.0)
     pos = tl.load(pos_ptr + b * T + t, mask=valid_m, other=-1)
     row = tl.load(rows_ptr + b).to(tl.int64)
-    # Splits partition the row's whole key range [0, last position + 1) in BLOCK_N-aligned chunks;
-    # this tile stops earlier at its own last query's position.
-    row_len = tl.load(pos_ptr + b * T + T - 1) + 1
-    chunk = tl.cdiv(tl.cdiv(row_len, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, tl.max(pos, axis=0) + 1)
+    start, end = _split_range_dev(pos_ptr + b * T, T, pos, split, SPLITS, BLOCK_N)
     k_base = k_ptr + row * sk_s + kvh * sk_h
     v_base = v_ptr + row * sk_s + kvh * sk_h
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -154,21 +176,13 @@ def _attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where((offs_n[None, :] <= pos[:, None]) & valid_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row that has seen no visible key yet keeps m = -inf; shift by 0 there to avoid inf - inf
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - shift)
-        p = tl.exp(s - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = _online_softmax_dev(s, m_i, l_i)
         v = tl.load(v_base + offs_n[:, None] * sk_l + offs_d[None, :], mask=kv_mask, other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    seen = l_i > 0
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out, lse = _finish_dev(acc, m_i, l_i)
     o_offs = b * so_b + t[:, None] * so_t + head[:, None] * so_h + split * so_s + offs_d[None, :]
     tl.store(o_ptr + o_offs, out, mask=valid_m[:, None] & valid_d[None, :])
     # lse: [B, T, Hq, SPLITS], contiguous
@@ -179,11 +193,15 @@ _jitted = False
 
 
 def jit_kernels() -> None:
-    global _jitted, _attention_kernel
+    """Jit the device functions, then the kernel (also the latent kernel's device functions)."""
+    global _jitted, _attention_kernel, _online_softmax_dev, _split_range_dev, _finish_dev
     if _jitted:
         return
     if triton is None:
         raise RuntimeError("triton is not installed")
+    _online_softmax_dev = triton.jit(_online_softmax_dev)
+    _split_range_dev = triton.jit(_split_range_dev)
+    _finish_dev = triton.jit(_finish_dev)
     _attention_kernel = triton.jit(_attention_kernel)
     _jitted = True
 
@@ -249,10 +267,16 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         GROUP=group, KV_HEADS=Hkv, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), IEEE=q.dtype == torch.float32,
     )
-    if splits == 1:
-        return part[:, :, :, 0].to(q.dtype)
+    return merge_splits(part, lse, q.dtype)
+
+
+def merge_splits(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The splits' partial outputs weighted by their share of the softmax mass (flash-decoding)."""
+    # part: [B, T, H, SPLITS, D] float32; lse: [B, T, H, SPLITS] -> [B, T, H, D] in `dtype`
+    if part.shape[3] == 1:
+        return part[:, :, :, 0].to(dtype)
     weight = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp(lse)); empty splits have lse = -inf
-    return (part * weight.unsqueeze(-1)).sum(dim=3).to(q.dtype)
+    return (part * weight.unsqueeze(-1)).sum(dim=3).to(dtype)
 
 
 @torch.library.custom_op("specgen::cached_attention", mutates_args=())

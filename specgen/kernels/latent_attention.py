@@ -87,12 +87,7 @@ def _latent_attention_kernel(
     q_rope = tl.load(q_rows + R + offs_p[None, :], mask=valid_m[:, None] & valid_p[None, :], other=0.0)
     pos = tl.load(pos_ptr + b * T + t, mask=valid_m, other=-1)
     row = tl.load(rows_ptr + b).to(tl.int64)
-    # splits partition the row's key range [0, last position + 1) in BLOCK_N-aligned chunks; this
-    # tile stops earlier at its own last query's position
-    row_len = tl.load(pos_ptr + b * T + T - 1) + 1
-    chunk = tl.cdiv(tl.cdiv(row_len, SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, tl.max(pos, axis=0) + 1)
+    start, end = generic._split_range_dev(pos_ptr + b * T, T, pos, split, SPLITS, BLOCK_N)
     base = c_ptr + row * sc_s
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -109,20 +104,12 @@ def _latent_attention_kernel(
         else:
             s = (tl.dot(q_lat, tl.trans(latent)) + tl.dot(q_rope, tl.trans(rope))) * scale
         s = tl.where((offs_n[None, :] <= pos[:, None]) & valid_n[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # a row that has seen no visible key yet keeps m = -inf; shift by 0 there to avoid inf - inf
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - shift)
-        p = tl.exp(s - shift[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_i, l_i = generic._online_softmax_dev(s, m_i, l_i)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(latent.dtype), latent)
-        m_i = m_new
-    seen = l_i > 0
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out, lse = generic._finish_dev(acc, m_i, l_i)
     o_offs = b * so_b + t[:, None] * so_t + head[:, None] * so_h + split * so_s + offs_r[None, :]
     tl.store(o_ptr + o_offs, out, mask=valid_m[:, None] & valid_r[None, :])
     # lse: [B, T, H, SPLITS], contiguous
@@ -138,6 +125,7 @@ def jit_kernels() -> None:
         return
     if triton is None:
         raise RuntimeError("triton is not installed")
+    generic.jit_kernels()          # the online-softmax device functions this kernel calls
     _latent_attention_kernel = triton.jit(_latent_attention_kernel)
     _jitted = True
 
@@ -179,10 +167,7 @@ def latent_attention_triton(q: torch.Tensor, cache: torch.Tensor, rows: torch.Te
         BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_P=max(16, triton.next_power_of_2(P)),
         IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
-    if splits == 1:
-        return part[:, :, :, 0].to(q.dtype)
-    weight = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp(lse)); empty splits have lse = -inf
-    return (part * weight.unsqueeze(-1)).sum(dim=3).to(q.dtype)
+    return generic.merge_splits(part, lse, q.dtype)
 
 
 def query_tiles(queries: int, heads: int) -> int:
