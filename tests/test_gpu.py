@@ -66,16 +66,17 @@ def tokens_of(recipe, ids, max_tokens=24):
         runner.close()
 
 
-def run_checked(runner, ids, max_tokens=24):
-    """`run`, and for a compiled runner: every graph compiled by the warm-up (nothing mid-run), no
-    CUDA graph skipped, and graphs recorded (GPU_NOTES 8)."""
+def run_checked(runner, ids, max_tokens=24, compiled_up_front=True):
+    """`run`, and for a compiled runner: every graph compiled by the warm-up (nothing mid-run; not
+    asked of a scripted policy, whose variants compile when first scripted), no CUDA graph skipped,
+    and graphs recorded (GPU_NOTES 8)."""
     from torch._dynamo.utils import counters
 
     runner.warm_up()
     graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
     out = run(runner, ids, max_tokens)
     if runner.compiled:
-        assert counters["stats"]["unique_graphs"] == graphs, "compiled again mid-run"
+        assert counters["stats"]["unique_graphs"] == graphs or not compiled_up_front, "compiled mid-run"
         assert counters["inductor"]["cudagraph_skips"] == skips, "a step ran without its CUDA graph"
         assert recorded_cuda_graphs(runner.device) > 0
     return out
@@ -116,7 +117,7 @@ def test_switching_k_in_cuda_graphs_keeps_the_output(checkpoints):
     runner, _, _ = build_runner(recipe, resolve(recipe), recipe.sampling.seed)
     try:
         runner.use_policy(ScriptedPolicy(SCHEDULE))
-        spec, totals = run_checked(runner, ids, 24)
+        spec, totals = run_checked(runner, ids, 24, compiled_up_front=False)
     finally:
         runner.close()
     assert spec == plain, divergence(spec, plain)
