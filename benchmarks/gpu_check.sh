@@ -34,7 +34,10 @@ torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'tr
 
 # --- tests, one process each ------------------------------------------------------------------
 if [[ ,$parts, == *,tests,* ]]; then
-python3 -m pytest -q --collect-only -m gpu tests/test_gpu.py 2>/dev/null | grep '::' > "$out/ids.txt"
+# the GPU tests, and the Triton attention kernels' tests (on CUDA they compile for real: GPU_NOTES 1)
+{ python3 -m pytest -q --collect-only -m gpu tests/test_gpu.py
+  python3 -m pytest -q --collect-only tests/test_attention_kernel.py tests/test_latent_attention_kernel.py
+} 2>/dev/null | grep '::' > "$out/ids.txt"
 stamp "$(wc -l < "$out/ids.txt") GPU tests, $parallel at a time, ${test_seconds}s each at most"
 run_one() {  # $1: test id
     local log; log=$(mktemp)
