@@ -48,7 +48,7 @@ from torch import nn
 
 from specgen.drafts.base import DraftBuilder, Pick, TargetFit, read_draft_config
 from specgen.kernels import attention as attention_kernel
-from specgen.models.attention import AttentionBatch, KVCache
+from specgen.models.attention import AttentionBatch, KVCache, kernel_splits
 from specgen.models.layers import (
     GatedMLP,
     RMSNorm,
@@ -315,12 +315,9 @@ class DFlashDraft(nn.Module):
         if any(on_kernel):
             # what each query sees: a bidirectional layer the whole block, a causal one up to itself
             whole_block = block_pos[:, -1:].expand(-1, k + 1).contiguous()
-            splits = 1
-            if attn.num_sms > 1:
-                c = self.config
-                tiles = attention_kernel.query_tiles(k + 1, c.num_heads // c.num_kv_heads)
-                splits = attention_kernel.choose_splits(batch, c.num_kv_heads, tiles, cache.max_len,
-                                                        attn.num_sms)
+            c = self.config
+            tiles = attention_kernel.query_tiles(k + 1, c.num_heads // c.num_kv_heads)
+            splits = kernel_splits(attn, batch, c.num_kv_heads, tiles, cache.max_len)
         kv_len = attn.key_index.shape[0]
         for i, layer in enumerate(self.layers):
             # The context enters k_proj / v_proj as is (no input_layernorm), like the reference.

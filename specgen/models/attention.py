@@ -112,13 +112,19 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
         return kernel.attention_reference(q, cache.k[layer], cache.v[layer], batch.rows, batch.mask,
                                           scale, batch.row_invariant)
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    splits = 1
-    if batch.num_sms > 1:   # decode: split long rows over programs (prefill has programs enough)
-        block_m, _ = kernel.tile_sizes(q.shape[-1], None, None)
-        tiles = kernel.query_tiles(q.shape[1], q.shape[2] // k.shape[2], block_m)
-        splits = kernel.choose_splits(q.shape[0], k.shape[2], tiles, cache.max_len, batch.num_sms)
+    block_m, _ = kernel.tile_sizes(q.shape[-1], None, None)
+    tiles = kernel.query_tiles(q.shape[1], q.shape[2] // k.shape[2], block_m)
+    splits = kernel_splits(batch, q.shape[0], k.shape[2], tiles, cache.max_len)
     return kernel.cached_attention(q, cache.k[layer], cache.v[layer], rows, batch.positions.contiguous(),
                                    scale, splits)
+
+
+def kernel_splits(batch: AttentionBatch, rows: int, kv_heads: int, tiles: int, max_len: int) -> int:
+    """Programs each row's keys are split over on the kernel path: several only where the batch asks
+    to fill the device's SMs (the step: decode; a prefill has programs enough)."""
+    if batch.num_sms <= 1:
+        return 1
+    return kernel.choose_splits(rows, kv_heads, tiles, max_len, batch.num_sms)
 
 
 def attend_latent(q: torch.Tensor, entry: torch.Tensor, cache, layer: int, batch: AttentionBatch,
@@ -128,9 +134,7 @@ def attend_latent(q: torch.Tensor, entry: torch.Tensor, cache, layer: int, batch
         return attend(q, entry, entry, cache, layer, batch, scale)[..., :latent_dim]
     rows = batch.cache_rows(q.shape[0], q.device)
     cache.write(layer, rows, batch.positions, entry)
-    splits = 1
-    if batch.num_sms > 1:
-        tiles = latent_kernel.query_tiles(q.shape[1], q.shape[2])
-        splits = kernel.choose_splits(q.shape[0], 1, tiles, cache.max_len, batch.num_sms)
+    tiles = latent_kernel.query_tiles(q.shape[1], q.shape[2])
+    splits = kernel_splits(batch, q.shape[0], 1, tiles, cache.max_len)
     return latent_kernel.latent_attention(q, cache.k[layer], rows, batch.positions.contiguous(), scale,
                                           latent_dim, splits)
