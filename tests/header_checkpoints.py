@@ -220,3 +220,13 @@ def edit_header(folder: Path, edit, holding: str | None = None) -> None:
         data["weight_map"] = {k: v for k, v in data["weight_map"].items() if v != path.name or k in header}
         data["weight_map"].update({k: path.name for k in header if k != "__metadata__"})
         index.write_text(json.dumps(data))
+
+
+if __name__ == "__main__":
+    # `python tests/header_checkpoints.py OUT [NAME ...]`: write full-size header-only copies (a few MB
+    # of disk each) to inspect by hand, e.g. `specgen inspect-checkpoint OUT/deepseek-v3`.
+    import sys
+
+    out, names = Path(sys.argv[1]), sys.argv[2:] or list(LAYOUTS)
+    for name in names:
+        print(write_layout(out, name))

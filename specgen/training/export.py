@@ -108,6 +108,8 @@ layout the published {method} checkpoints use.
 
 ## Held-out acceptance (greedy, {spec.eval_prompts} held-out ShareGPT prompts, {spec.eval_max_tokens} new tokens)
 
+Measured by the training run itself, at its end (its command: under Training below):
+
 {table}
 
 Mean acceptance length = 1 + accepted / drafts (vLLM's definition). "vs no draft" is tokens/s of the
