@@ -103,8 +103,9 @@ def train_draft(
     """Train the recipe's draft on the target's own answers; writes it to draft.model with a card."""
     try:
         parsed = load_recipe(recipe, set_ or ())
-        if parsed.draft.method == "none":
-            raise RecipeError("draft.method", "none: train-draft needs a draft to train (eagle3, dflash or mtp)")
+        if not parsed.draft.has_model:
+            raise RecipeError("draft.method", f"{parsed.draft.method}: train-draft needs a draft model to train "
+                                              "(eagle3, dflash or mtp)")
         if parsed.train is None:
             raise RecipeError("train", "required by train-draft (see recipes/smollm2-eagle3.yaml)")
     except RecipeError as err:

@@ -43,12 +43,14 @@ from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_pr
                           stats_path, tokenize_with_generation_start, write_json_atomic)
 from specgen.machine import choose_threads, cpu_has_avx512, cpu_has_bf16
 from specgen.pipelines.compiled import freezes, use_compile_cache
+from specgen.pipelines.host_policy import HostDraftPolicy
 from specgen.pipelines.policy import FIRST_PROBE_INTERVAL, AdaptivePolicy, per_position_prior
 from specgen.pipelines.reasoning import THINK_END, THINK_START, ReasoningMarkers
 from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
 from specgen.pipelines.stats import SpecCounters
 from specgen.pipelines.stops import StopRules, eos_ids_from
+from specgen.drafts.suffix import SuffixProposer
 from specgen.pipelines.unified import UnifiedStep
 from specgen.recipe import Recipe
 from specgen.registry import DRAFT_METHODS, UnsupportedError, architecture_name, check_pairing
@@ -117,7 +119,7 @@ def resolve(recipe: Recipe) -> Resolved:
             check_pairing(architecture_name(config), recipe.draft.method)
             if _draft_inside_a_dummy_target(recipe):
                 draft_cfg = config    # its layer comes from the target's config, random like the target
-            elif recipe.draft.load_format != "dummy":
+            elif recipe.draft.has_model and recipe.draft.load_format != "dummy":
                 draft_folder, draft_cfg = _draft_checkpoint(recipe, folder, config)
     except (CheckpointError, UnsupportedError, ValueError) as err:
         raise InputError(str(err)) from err
@@ -229,10 +231,12 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     cfg = target_config(r.target_config)
     item = torch.empty((), dtype=r.dtype).element_size()
     b, k, dcfg = recipe.runtime.batch_size, 0, None
-    if recipe.draft.enabled:
+    if recipe.draft.has_model:
         dcfg = draft_config(recipe, r, cfg)
         # A DFlash draft without an explicit K drafts a whole block.
         k = recipe.draft.k_max or getattr(dcfg, "block_size", 2) - 1
+    elif recipe.draft.enabled:
+        k = recipe.draft.k_max      # host drafts: rows to verify, nothing else on the device
     seq = recipe.runtime.max_seq_len + 2 * k + 2
     rows, vocab, hidden = b * (k + 1), cfg.vocab_size, cfg.hidden_size
     s = recipe.sampling
@@ -354,7 +358,10 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
         if unread:
             notes.append(f"text-only run: the checkpoint's {', '.join(unread)} weights are not loaded")
     draft = None
-    if recipe.draft.enabled:
+    proposer = None
+    if recipe.draft.enabled and not recipe.draft.has_model:
+        proposer = SuffixProposer(b)
+    if recipe.draft.has_model:
         builder = DRAFT_METHODS[recipe.draft.method].builder()
         dummy = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
         draft = load_draft(recipe.draft.method, r.draft_config or builder.dummy_config(target.shape),
@@ -382,7 +389,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                          "the rest is verified strictly")
     use_kernel, num_sms = attention_kernel_for(r.device)
     step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,
-                       num_sms=num_sms, relaxed=relaxed)
+                       num_sms=num_sms, relaxed=relaxed, host_k=recipe.draft.k_max if proposer is not None else 0)
     s = recipe.sampling
     sampling = SamplingTensors.build([s.temperature] * b, [s.top_k] * b, [s.top_p] * b,
                                      [s.min_p] * b, r.device)
@@ -391,6 +398,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     if compile:
         use_compile_cache(cache_root() / "compiled")
     policy = None
+    if proposer is not None and recipe.draft.adaptive:
+        policy = HostDraftPolicy(step.k, horizon_tokens=expected_tokens)
     if draft is not None and recipe.draft.adaptive:
         dummy_draft = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
         policy = AdaptivePolicy(step.k, acceptance_prior(r.draft_folder, step.k, dummy_draft),
@@ -399,9 +408,9 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                                 max_window=step.max_window)
     runner = Runner(step, batch_size=b, max_seq_len=recipe.runtime.max_seq_len, rules=rules,
                     sampling=sampling, seed=seed, device=r.device, dtype=r.dtype, compile=compile,
-                    reasoning=markers, policy=policy)
+                    reasoning=markers, policy=policy, proposer=proposer)
     k_part = f"K=auto (0..{step.k})" if policy is not None else f"K={step.k}"
-    draft_part = (f"draft {recipe.draft.method} {k_part}" if draft is not None else "no draft")
+    draft_part = f"draft {recipe.draft.method} {k_part}" if recipe.draft.enabled else "no draft"
     if relaxed is not None:
         draft_part += ", relaxed acceptance in reasoning (lossy)"
     device = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu"
@@ -562,7 +571,8 @@ class _MismatchWatch:
     """Says once when a draft that is not random accepts (almost) nothing over its first drafts."""
 
     def __init__(self, recipe: Recipe, on_status: Callable[[str], None] | None) -> None:
-        self.armed = recipe.draft.enabled and recipe.draft.load_format != "dummy" and \
+        # a host draft (suffix) proposes only where text repeats: little acceptance is no mismatch
+        self.armed = recipe.draft.has_model and recipe.draft.load_format != "dummy" and \
             recipe.target.load_format != "dummy"
         self.on_status = on_status
         self.notes: list[str] = []
@@ -618,7 +628,7 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "memory_estimate_bytes": memory,
         "device": _device_name(r.device),
         "dtype": str(runner.resolved.dtype).removeprefix("torch."),
-        "draft_dtype": str(runner.resolved.draft_dtype).removeprefix("torch.") if recipe.draft.enabled else None,
+        "draft_dtype": str(runner.resolved.draft_dtype).removeprefix("torch.") if recipe.draft.has_model else None,
         "versions": {"specgen": _version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "python": platform.python_version()},
     }

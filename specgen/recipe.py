@@ -36,6 +36,8 @@ DRAFT_METHODS: tuple[str, ...] = METHOD_NAMES
 DRAFT_IN_TARGET = tuple(m.name for m in _REGISTERED.values() if m.lives_in_target)
 # Methods whose draft decides the default K itself (DFlash: block_size - 1).
 K_FROM_DRAFT = tuple(m.name for m in _REGISTERED.values() if m.k_from_draft)
+# Methods that propose on the host without a model (no draft.model, nothing to train).
+ON_HOST = tuple(m.name for m in _REGISTERED.values() if m.on_host)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
@@ -91,6 +93,11 @@ class DraftSpec:
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def has_model(self) -> bool:
+        """A draft model runs beside the target (not plain decoding, not a host-side method)."""
+        return self.enabled and self.method not in ON_HOST
 
     @property
     def adaptive(self) -> bool:
@@ -475,7 +482,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         if k == "auto" and k_max is None and method not in K_FROM_DRAFT:
             k_max = DEFAULT_MAX_SPECULATIVE_TOKENS
         # A dummy draft is built from the target's shape alone, so only a real one needs a checkpoint.
-        needs_model = draft_format != "dummy" and method not in DRAFT_IN_TARGET
+        needs_model = draft_format != "dummy" and method not in DRAFT_IN_TARGET + ON_HOST
         if draft_model is None and needs_model and "draft.model" not in dict(check.problems):
             check.problems.append(("draft.model", f"required when method is {method} (or set load_format: dummy)"))
     draft = DraftSpec(
@@ -620,6 +627,9 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
     if method == "none":
         # The same recipe runs without its draft (`--set draft.method=none`, bench's ar baseline):
         # nothing to train then, so the section is set aside, checked but not tied to a method.
+        return None
+    if method in ON_HOST:
+        # `--set draft.method=suffix` on a draft's recipe: nothing to train, set aside as for none
         return None
     for key, methods in TRAIN_FIELDS_OF.items():
         if key in t and method not in methods:

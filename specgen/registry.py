@@ -23,8 +23,10 @@ class DraftMethod:
     module: str
     k_from_draft: bool = False       # the draft's config decides the default K (DFlash: block_size - 1)
     lives_in_target: bool = False    # its layer may sit inside the target checkpoint (MTP)
+    on_host: bool = False            # proposes on the host from text seen, no model (suffix)
 
     def builder(self):
+        assert not self.on_host, f"{self.name} has no model to build"
         return importlib.import_module(self.module).METHOD
 
 
@@ -43,15 +45,17 @@ DRAFT_METHODS: dict[str, DraftMethod] = {m.name: m for m in (
     DraftMethod("eagle3", "specgen.drafts.eagle3"),
     DraftMethod("dflash", "specgen.drafts.dflash", k_from_draft=True),
     DraftMethod("mtp", "specgen.drafts.mtp", lives_in_target=True),
+    # any target: it needs no checkpoint, only the tokens
+    DraftMethod("suffix", "specgen.drafts.suffix", on_host=True),
 )}
 
 TARGET_ARCHITECTURES: dict[str, TargetArchitecture] = {a.name: a for a in (
-    TargetArchitecture("LlamaForCausalLM", "specgen.models.llama", ("llama",), ("eagle3", "dflash", "mtp")),
+    TargetArchitecture("LlamaForCausalLM", "specgen.models.llama", ("llama",), ("eagle3", "dflash", "mtp", "suffix")),
     TargetArchitecture("DeepseekV3ForCausalLM", "specgen.models.deepseek_v3", ("deepseek_v3",),
-                       ("mtp", "eagle3", "dflash")),
+                       ("mtp", "eagle3", "dflash", "suffix")),
     # Kimi K2 / K2.5 ship no MTP layer (num_nextn_predict_layers: 0): EAGLE-3 and DFlash drafts only
     TargetArchitecture("KimiK25ForConditionalGeneration", "specgen.models.kimi_k25", ("kimi_k25",),
-                       ("eagle3", "dflash")),
+                       ("eagle3", "dflash", "suffix")),
 )}
 
 # Every value `draft.method` may take.

@@ -677,7 +677,7 @@ def test_a_job_compiles_only_the_variants_it_can_repay(checkpoints):
 
 
 def test_a_plain_step_loaded_from_the_graph_cache_does_not_make_variants_look_cheap(checkpoints, monkeypatch):
-    """profile._cold_compile_seconds: a re-run that loads its plain step from Inductor's graph cache
+    """profile.cold_compile_seconds: a re-run that loads its plain step from Inductor's graph cache
     knows it did (`StepFunctions.from_graph_cache`) and estimates the variants it has not compiled
     from what lowering them anew takes, not from that load (3x too little: a short job would have
     compiled a variant it cannot repay)."""

@@ -269,6 +269,8 @@ class StepFunctions:
         """The variants k > 0 that run without compiling first (every k when steps run eagerly)."""
         if not self.compiled:
             return set(range(1, self.unified.k + 1))
+        if self.unified.draft is None:       # drafts from the host: a variant is its verify
+            return {t - 1 for t in self._verifies if t > 1}
         return set(self._steps)
 
     def verify_ready(self, t: int) -> bool:
@@ -297,6 +299,9 @@ class StepFunctions:
         one call) per k, built on its first use."""
         unified = self.unified
         state, caches, sampling = self._rows
+        if unified.draft is None:
+            # drafts from the host (drafts/suffix.py), already in pending: the step is the verify
+            return self.verify(kv_len, k + 1)
         if not self.compiled:
             unified.draft_block(state, caches, sampling, self.key_index(kv_len), self._window(window), k)
             return self.verify(kv_len, k + 1)

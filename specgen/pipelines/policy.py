@@ -129,6 +129,16 @@ class FixedPolicy:
 
     def observe_step(self, k: int, width: int, seconds: float) -> None: ...
 
+    def choose_host(self, proposals: dict, width: int, available: set[int], compiled: bool) -> int:
+        """Host drafts (drafts/suffix.py): k wherever a slot has a proposal, else the plain step;
+        eager, no more than the longest proposal (every row costs there)."""
+        longest = max((len(p) for p in proposals.values()), default=0)
+        if longest == 0:
+            return 0
+        return self.k if compiled else min(self.k, longest)
+
+    def observe_tokens(self, slot: int, tokens) -> None: ...
+
     def summary(self) -> dict:
         return {"policy": f"fixed k={self.k}"}
 

@@ -50,7 +50,7 @@ def _time(device: torch.device, call, repeats: int = REPEATS) -> float:
     return statistics.median(seconds)
 
 
-def _cold_compile_seconds(functions: StepFunctions, name: tuple) -> float:
+def cold_compile_seconds(functions: StepFunctions, name: tuple) -> float:
     """What compiling `name` took, or, where it was loaded from Inductor's graph cache, what
     lowering it anew would take: the estimate for variants this cache may not hold (a re-run that
     loaded its plain step in 40 s would otherwise expect a variant never compiled to take that
@@ -74,7 +74,7 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
     floor: dict[int, float] = {}
     # compile time estimates: a variant's verify costs what the plain step's did, its draft that
     # scaled by how much smaller the draft's work is
-    verify_compile = max(_cold_compile_seconds(functions, ("verify", 1)), MIN_COMPILE_SECONDS)
+    verify_compile = max(cold_compile_seconds(functions, ("verify", 1)), MIN_COMPILE_SECONDS)
     step_compile: dict[int, float] = {}
     if missing:
         # Not compiled yet: eager times, scaled as the plain step scales from eager to compiled.
@@ -115,7 +115,7 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
         policy.set_cost(best, slots, _time(device, lambda: functions.step(kv_len, best + 1, best)))
         # the others from what compiling this variant really took: its verify as the plain step's,
         # its draft in proportion to k
-        measured = _cold_compile_seconds(functions, ("step", best)) or spent
+        measured = cold_compile_seconds(functions, ("step", best)) or spent
         draft_part = max(0.0, measured - verify_compile)
         step_compile = {k: verify_compile + draft_part * k / best for k in range(1, k_max + 1)}
         estimate_compiles()

@@ -30,6 +30,8 @@ import torch
 
 from specgen.kernels.keyed_noise import noise_key_for
 from specgen.pipelines.compiled import StepFunctions
+from specgen.pipelines.host_policy import HostDraftPolicy
+from specgen.pipelines.host_policy import profile as profile_host
 from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy, SlotView
 from specgen.pipelines.prefill import PrefillItem, pack, plan_prefill
 from specgen.pipelines.reasoning import ReasoningMarkers, split, start_state
@@ -154,7 +156,7 @@ class Runner:
                  sampling: SamplingTensors, seed: int, device: torch.device, dtype: torch.dtype,
                  compile: bool = False, overlap: bool | None = None, prefill_chunk: int | None = None,
                  prefill_budget: int | None = None, reasoning: ReasoningMarkers | None = None,
-                 policy: AdaptivePolicy | FixedPolicy | None = None) -> None:
+                 policy: AdaptivePolicy | FixedPolicy | HostDraftPolicy | None = None, proposer=None) -> None:
         self.unified = step
         # the step's relaxed acceptance and the slots' start states must read the same markers
         relaxed = step.relaxed.markers if step.relaxed is not None else None
@@ -171,6 +173,11 @@ class Runner:
         self.caches = step.new_caches(batch_size, self.alloc_len, dtype, device)
         self.state = step.new_state(batch_size, device, dtype)
         self.lag = int(device.type == "cuda" if overlap is None else overlap)
+        # Drafts made on the host (a `drafts.suffix.SuffixProposer`, with a step built with host_k)
+        # continue the tokens committed so far: a step is issued only once the previous one is read.
+        self.proposer = proposer
+        if proposer is not None:
+            self.lag = 0
         kind = "cuda" if device.type == "cuda" else "cpu"
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK[kind]
         self.prefill_budget = max(prefill_budget or PREFILL_BUDGET[kind], self.prefill_chunk)
@@ -243,6 +250,12 @@ class Runner:
 
             spent = calibrate(self.policy, self.functions, self.kv_bucket(0), self.batch_size)
             seconds += spent if self.compiled else 0.0     # eager: profiling is part of the run
+        elif isinstance(self.policy, HostDraftPolicy):
+            from specgen.pipelines.profile import MIN_COMPILE_SECONDS, cold_compile_seconds
+
+            cold = max(cold_compile_seconds(self.functions, ("verify", 1)), MIN_COMPILE_SECONDS)
+            spent = profile_host(self.policy, self.functions, self.kv_bucket(0), self.batch_size, cold)
+            seconds += spent if self.compiled else 0.0
         else:
             k = self.policy.k
             if not (self.functions.verify_ready(1) if k == 0 else k in self.functions.compiled_ks):
@@ -250,8 +263,10 @@ class Runner:
         return seconds
 
     def _compile_variant(self, k: int, prefill_batches: list) -> float:
-        """Compile variant k before the run (k = 0: the plain step); seconds spent."""
-        return self.functions.warm_up(self.kv_bucket(0), prefill_batches, (k,) if k else (), plain=not k)
+        """Compile variant k before the run (k = 0: the plain step; with host drafts a fixed k runs
+        plain steps too, wherever no slot has a proposal); seconds spent."""
+        return self.functions.warm_up(self.kv_bucket(0), prefill_batches, (k,) if k else (),
+                                      plain=not k or self.proposer is not None)
 
     def use_policy(self, policy: AdaptivePolicy | FixedPolicy) -> None:
         """Choose k with `policy` from the next run on (bench: fixed K and auto over one compiled
@@ -276,6 +291,8 @@ class Runner:
         """`on_status(line)` hears about the one-time warm-up (compilation) before any request."""
         totals = self.totals = RunTotals(spec=SpecCounters(self.unified.k))
         start = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.reset()          # what a run learns from its outputs stays in that run
 
         def finish(completion: Completion) -> None:
             totals.requests += 1
@@ -308,7 +325,8 @@ class Runner:
         totals.k_steps = [0] * (self.unified.k + 1)
         slots: list[_Slot | None] = [None] * self.batch_size
         lengths = [0] * self.batch_size          # host mirror of cache_lens, for the kv bucket
-        inflight: deque[tuple[int, int, Callable[[], list[list[int]]]]] = deque()
+        # (step number, k, each slot's host drafts or None, the read of its output)
+        inflight: deque[tuple[int, int, dict | None, Callable[[], list[list[int]]]]] = deque()
         more = True
         while True:
             free = [b for b in range(self.batch_size) if slots[b] is None]
@@ -324,8 +342,8 @@ class Runner:
                     continue              # every admitted request failed: admit the next ones
                 break
             if len(inflight) > self.lag or not live:
-                number, k_read, read = inflight.popleft()
-                self._absorb(number, k_read, read(), slots, lengths, finish)
+                number, k_read, drafted, read = inflight.popleft()
+                self._absorb(number, k_read, drafted, read(), slots, lengths, finish)
             stepped = time.perf_counter() - after_admission     # the iteration, admission left out
             totals.step_seconds += stepped
             if timed is not None:         # the step's cost
@@ -344,6 +362,9 @@ class Runner:
         # (pipelines/policy.py): the verify decides the tokens, and only the compiled graph computes
         # them exactly as the plain step does
         k = self.policy.choose(views, functions.compiled_ks, self.width)
+        drafted = None
+        if self.proposer is not None:
+            k, drafted = self._host_drafts(live, k)
         kv_len = self.kv_bucket(max(lengths[b] for b in live), k)
         steady = True
         compiled_before = functions.compiled_seconds()
@@ -354,7 +375,8 @@ class Runner:
             # drafting does in a run of k (measured: 10.5 ms for 53 positions against 1.9 for 2, EAGLE-3
             # on SmolLM2, fp32): a one-off, not the variant's cost, however short the run (the policy
             # samples a variant's cost where its step follows another's: those were catch-ups).
-            steady = window <= self.last_k + 1
+            # Host drafts have nothing to catch up on.
+            steady = drafted is not None or window <= self.last_k + 1
             for b in range(self.batch_size):
                 self.gaps[b] = 0
         else:
@@ -365,11 +387,28 @@ class Runner:
         for b in live:
             self.gaps[b] += k + 1
         self.last_k = k
-        inflight.append((self.step_no, k, self.reader.start(out)))
+        inflight.append((self.step_no, k, drafted, self.reader.start(out)))
         self.step_no += 1
         totals.steps += 1
         totals.k_steps[k] += 1
         return k, (k if steady else None)
+
+    def _host_drafts(self, live: list[int], k: int) -> tuple[int, dict[int, int]]:
+        """The host's proposals of at most k tokens per live slot; the policy's k for them (0: a plain
+        step) and, for k > 0, the proposals written into `pending[:, 1:k+1]` (a shorter one padded:
+        its extra rows are verified like any draft, and a pad the target happens to choose is
+        kept, losslessly). Returns k and how many tokens each slot proposed."""
+        if k == 0:
+            return 0, {}
+        proposals = {b: self.proposer.propose(b, k) for b in live}
+        k = self.policy.choose_host(proposals, self.width, self.functions.compiled_ks, self.compiled)
+        if k == 0:
+            return 0, {}
+        block = [[0] * k for _ in range(self.batch_size)]
+        for b, proposal in proposals.items():
+            block[b][: min(k, len(proposal))] = proposal.tokens[:k]
+        self.state.pending[:, 1:k + 1].copy_(torch.tensor(block))
+        return k, {b: min(k, len(p)) for b, p in proposals.items()}
 
     def _narrow(self, slots: list[_Slot | None], lengths: list[int]) -> None:
         """In the tail of a run (no request left to admit), once at most half the slots are live,
@@ -391,24 +430,41 @@ class Runner:
             lengths[dst] = lengths[src]
             self.gaps[dst] = self.gaps[src]
             self.policy.move(src, dst)
+            if self.proposer is not None:
+                self.proposer.move(src, dst)
         self.width = width
         self.functions.use_slots(width)
 
-    def _absorb(self, number: int, k: int, rows: list[list[int]], slots: list[_Slot | None],
-                lengths: list[int], finish) -> None:
-        """Feed the results of step `number` (which drafted k) to the requests they belong to."""
+    def _absorb(self, number: int, k: int, drafted: dict[int, int] | None, rows: list[list[int]],
+                slots: list[_Slot | None], lengths: list[int], finish) -> None:
+        """Feed the results of step `number` (which drafted k; `drafted`: each slot's own count,
+        host drafts only) to the requests they belong to."""
+        proposer = self.proposer
         for b, slot in enumerate(slots):
             if slot is None or slot.first_step > number:
                 continue                  # a free slot, or one refilled after this step was issued
             accepted, relaxed, last, emitted = rows[b][0], rows[b][1], rows[b][2], rows[b][3:]
             # a request's first step also brings its first token, sampled by the prefill
-            if number == slot.first_step and slot.tracker.add(last):
-                self._release(b, slots, finish)
-                continue
-            slot.counters.record(accepted, relaxed, k)
+            if number == slot.first_step:
+                if proposer is not None:
+                    proposer.extend(b, (last,))
+                if slot.tracker.add(last):
+                    self._release(b, slots, finish)
+                    continue
+            if drafted is None:
+                slot.counters.record(accepted, relaxed, k)
+            else:
+                # a slot counts its own proposal (vLLM's definitions); a pad that was kept is output,
+                # not an accepted draft
+                own = drafted.get(b, 0)
+                slot.counters.record(min(accepted, own), min(relaxed, own), own)
             self.policy.observe_block(b, k, accepted)
             lengths[b] += accepted + 1
-            for token in emitted[: accepted + 1]:
+            committed = emitted[: accepted + 1]
+            if proposer is not None:
+                proposer.extend(b, committed)
+                self.policy.observe_tokens(b, committed)
+            for token in committed:
                 if slot.tracker.add(token):
                     self._release(b, slots, finish)
                     break
@@ -416,6 +472,8 @@ class Runner:
     def _release(self, b: int, slots: list[_Slot | None], finish) -> None:
         finish(self._completion(slots[b]))
         slots[b] = None
+        if self.proposer is not None:
+            self.proposer.finish(b)
         # The device would stop the slot only at its length limit; a stop string or EOS ends it here
         # (queued behind any step already in flight, which then runs it once more, harmlessly).
         self.state.active[b] = False
@@ -451,6 +509,8 @@ class Runner:
             lengths[b] = len(request.prompt_ids)
             self.gaps[b] = 1              # the draft re-reads the prompt's last position
             self.policy.admit(b)
+            if self.proposer is not None:
+                self.proposer.admit(b, request.prompt_ids)
             totals.prompt_tokens += len(request.prompt_ids)
         return more
 

@@ -119,12 +119,14 @@ class UnifiedStep:
     `relaxed`: relaxed acceptance inside reasoning spans (lossy, opt-in; pipelines/relaxed.py)."""
 
     def __init__(self, target, draft=None, *, stochastic_drafts: bool = False, use_kernel: bool = False,
-                 num_sms: int = 1, relaxed: RelaxedAcceptance | None = None) -> None:
+                 num_sms: int = 1, relaxed: RelaxedAcceptance | None = None, host_k: int = 0) -> None:
         self.target = target
         self.draft = draft
-        self.k = draft.num_speculative_tokens if draft is not None else 0     # K_max
+        # K_max. `host_k`: without a draft model, the host writes up to host_k drafts into `pending`
+        # before each verify (drafts/suffix.py); the step never knows where its drafts came from.
+        self.k = draft.num_speculative_tokens if draft is not None else host_k
         self.stochastic = stochastic_drafts and draft is not None
-        self.relaxed = relaxed if self.k > 0 else None
+        self.relaxed = relaxed if draft is not None else None
         self.capture = tuple(draft.aux_layer_ids) if draft is not None else ()
         # A draft may run in another dtype than the target (drafts/precision.py): what it reads (the
         # ring of target features) and its cache are kept in its own.
@@ -271,9 +273,10 @@ class UnifiedStep:
 
     def step(self, state: StepState, caches: StepCaches, sampling: SamplingTensors,
              key_index: torch.Tensor, k: int | None = None) -> torch.Tensor:
-        """One whole step, eagerly: draft k (default K_max; 0 = plain decoding), then verify."""
+        """One whole step, eagerly: draft k (default K_max; 0 = plain decoding), then verify. Without a
+        draft model the k drafts are the ones the host wrote into `pending`."""
         k = self.k if k is None else k
-        if k > 0:
+        if k > 0 and self.draft is not None:
             window = torch.arange(self.max_window, device=state.pending.device)
             self.draft_block(state, caches, sampling, key_index, window, k)
         return self.verify_block(state, caches, sampling, key_index,

@@ -1,0 +1,204 @@
+"""`num_speculative_tokens: auto` for drafts made on the host (drafts/suffix.py): verify them, or not.
+
+Contract: before each step the runner asks the proposer for every live slot's proposal, then
+`choose_host(proposals, width, available)` -> k, 0 being the plain step (one row per slot). It
+reports each step's time with `observe_step(k, width, seconds)`, each slot's verified block with
+`observe_block(slot, k, accepted)` and, on plain steps, the tokens committed with
+`observe_tokens(slot, tokens)`.
+
+Unlike a draft model's, a host proposal comes with its own estimate: the probability of each of its
+prefixes (drafts.suffix.Proposal.probs), so the choice is made per step, for the proposals at hand:
+
+    rate(k) = (live slots + c * sum over slots of the first k probabilities) / cost(k)
+
+- k is 0, or a variant that runs without compiling (compiled: K, the one variant besides the plain
+  step, proposals padded to it; eager: any k up to the longest proposal, every row costs there);
+- c calibrates the index's estimates against what the target accepts: accepted over predicted,
+  over the blocks verified so far and over "shadow" proposals (made at plain steps, compared with
+  the tokens those steps then commit, so the job measures its proposals before any is verified),
+  starting from CALIBRATION_PRIOR;
+- cost(k) is the median of the last COST_WINDOW steps of k, from the warm-up's profile before any
+  (`profile`): the plain step timed, K's verify timed eagerly and scaled as the plain step scales
+  from eager to compiled (pessimistic: eager time grows with rows faster than compiled time).
+A variant that needs compiling (compiled runs: K, until its first use) is compiled when the time it
+is expected to save over the rest of the job, at the job's mean gain per step so far, is at least
+COMPILE_PAYBACK times its compile time (estimated as the plain step's): a short job never compiles
+what it cannot repay, and a job whose text never repeats never compiles it at all.
+Nothing here touches a tensor.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+
+COST_WINDOW = 15
+CALIBRATION_PRIOR = (4.0, 2.8)     # pseudo (predicted, accepted) tokens: the index's figures at 0.7
+GAIN_RATE = 0.05                   # the job's mean gain per step: an EMA over ~20 steps
+COMPILE_PAYBACK = 2.0
+MIN_GAIN = 0.03                    # drafting must beat the plain step's rate by this much
+
+
+class HostDraftPolicy:
+    def __init__(self, k_max: int, *, horizon_tokens: int | None = None) -> None:
+        self.k = self.k_max = k_max
+        self.horizon_tokens = horizon_tokens
+        self.costs: dict[tuple[int, int], deque] = {}      # (width, k) -> recent step seconds
+        self.profiled: dict[tuple[int, int], float] = {}   # (width, k) -> the warm-up's figure
+        self.compile_estimate: float | None = None         # seconds to compile K (None: no estimate)
+        self.predicted, self.accepted = CALIBRATION_PRIOR
+        self.gain = 0.0                  # EMA of c * (the step's summed probabilities) / live slots
+        self.committed = 0               # tokens committed so far (to know what the job has left)
+        self._offered: dict[int, tuple[float, ...]] = {}   # slot -> probs of its proposal, this step
+        self._shadows: dict[int, tuple[tuple[int, ...], tuple[float, ...], int]] = {}
+        self.steps = {"plain": 0, "drafted": 0}
+
+    # -- what the runner asks -----------------------------------------------------------------------
+
+    def choose(self, slots: Sequence, available: set[int] | None = None, width: int | None = None) -> int:
+        """The most tokens to ask each slot's proposal for (the runner then calls `choose_host`)."""
+        return self.k_max
+
+    def calibration(self) -> float:
+        return self.accepted / self.predicted
+
+    def choose_host(self, proposals: dict, width: int, available: set[int], compiled: bool) -> int:
+        """k for this step: 0, or a k in `available` (or K, where compiling it pays) verifying the
+        proposals (`proposals`: slot -> drafts.suffix.Proposal)."""
+        n = len(proposals)
+        c = self.calibration()
+        self._offered = {b: p.probs for b, p in proposals.items()}
+        total = sum(p.score for p in proposals.values())
+        self.gain += GAIN_RATE * (c * total / max(n, 1) - self.gain)
+        longest = max((len(p) for p in proposals.values()), default=0)
+        plain_rate = n / self.cost(0, width)
+        best, best_rate = 0, plain_rate * (1 + MIN_GAIN)
+        candidates = [k for k in (range(1, longest + 1) if not compiled else (self.k_max,))
+                      if k in available or (compiled and self._worth_compiling(k, width, n))]
+        for k in candidates:
+            expected = sum(sum(p.probs[:k]) for p in proposals.values())
+            rate = (n + c * expected) / self.cost(k, width)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0:
+            for b, p in proposals.items():
+                if len(p) and b not in self._shadows:
+                    self._shadows[b] = (p.tokens, p.probs, 0)
+        else:
+            self._shadows.clear()        # the slots' texts move on by more than one token
+        self.steps["drafted" if best else "plain"] += 1
+        return best
+
+    def cost(self, k: int, width: int) -> float:
+        recent = self.costs.get((width, k))
+        if recent:
+            return statistics.median(recent)
+        if (width, k) in self.profiled:
+            return self.profiled[(width, k)]
+        if 0 < k < self.k_max and (width, 0) in self.profiled and (width, self.k_max) in self.profiled:
+            # an eager k between the two profiled: rows cost in proportion
+            plain, full = self.cost(0, width), self.cost(self.k_max, width)
+            return plain + (full - plain) * k / self.k_max
+        # not profiled at this width (a narrowed tail): the nearest known, scaled by rows
+        known = [(w, j, s) for (w, j), s in self.profiled.items()] or [(width, 0, 1.0)]
+        w, j, seconds = min(known, key=lambda e: (abs(e[0] - width), abs(e[1] - k)))
+        return seconds * (width * (k + 1)) / (w * (j + 1)) if (w, j) != (width, k) else seconds
+
+    def _worth_compiling(self, k: int, width: int, n: int) -> bool:
+        if self.compile_estimate is None:
+            return False
+        remaining = (self.horizon_tokens - self.committed) if self.horizon_tokens else self.committed
+        plain_per_token = self.cost(0, width) / n
+        drafted_per_token = self.cost(k, width) / (n * (1 + self.gain))
+        saved = remaining * (plain_per_token - drafted_per_token)
+        return saved >= COMPILE_PAYBACK * self.compile_estimate
+
+    # -- what the runner reports --------------------------------------------------------------------
+
+    def observe_step(self, k: int, width: int, seconds: float) -> None:
+        self.costs.setdefault((width, k), deque(maxlen=COST_WINDOW)).append(seconds)
+
+    def observe_block(self, slot: int, k: int, accepted: int) -> None:
+        self.committed += accepted + 1
+        probs = self._offered.get(slot, ())
+        if k == 0 or not probs:
+            return
+        own = min(k, len(probs))
+        self.predicted += sum(probs[:own])
+        self.accepted += min(accepted, own)
+
+    def observe_tokens(self, slot: int, tokens: Sequence[int]) -> None:
+        """Tokens a plain step committed: they settle the slot's shadow proposal, if any."""
+        shadow = self._shadows.get(slot)
+        if shadow is None:
+            return
+        proposed, probs, matched = shadow
+        for token in tokens:
+            if token != proposed[matched]:
+                break
+            matched += 1
+            if matched == len(proposed):
+                break
+        else:
+            self._shadows[slot] = (proposed, probs, matched)
+            return
+        del self._shadows[slot]
+        self.predicted += sum(probs)
+        self.accepted += matched
+
+    def admit(self, slot: int) -> None:
+        self._shadows.pop(slot, None)
+
+    def move(self, src: int, dst: int) -> None:
+        if src in self._shadows:
+            self._shadows[dst] = self._shadows.pop(src)
+
+    def summary(self) -> dict:
+        return {"policy": f"auto (host drafts, k 0 or up to {self.k_max})",
+                "calibration": round(self.calibration(), 3), "steps": dict(self.steps),
+                "step_ms": {f"{w}x{k}": round(1e3 * self.cost(k, w), 2) for (w, k) in sorted(self.costs)}}
+
+
+def _median_seconds(device: torch.device, call, repeats: int = 3) -> float:
+    call()
+    seconds = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+@torch.inference_mode()
+def profile(policy: HostDraftPolicy, functions, kv_len: int, slots: int, cold_compile: float) -> float:
+    """Warm-up, every slot inactive: time the plain step (compiled already) and estimate K's step;
+    `cold_compile`: what compiling the plain step took from nothing (K's estimate). Seconds spent."""
+    start = time.perf_counter()
+    unified, device = functions.unified, functions.device
+    state, caches, sampling = functions.state, functions.caches, functions.sampling
+    state.active.zero_()
+    k = policy.k_max
+    plain = _median_seconds(device, lambda: functions.verify(kv_len, 1))
+    policy.profiled[(slots, 0)] = plain
+    if functions.verify_ready(k + 1):
+        policy.profiled[(slots, k)] = _median_seconds(device, lambda: functions.verify(kv_len, k + 1))
+    else:
+        key_index = functions.key_index(kv_len)
+
+        def eager(t: int) -> float:
+            rows = torch.arange(t, device=device)
+            return _median_seconds(device, lambda: unified.verify_block(state, caches, sampling, key_index, rows), 1)
+
+        plain_eager = eager(1)
+        policy.profiled[(slots, k)] = eager(k + 1) * min(1.0, plain / plain_eager)
+        policy.compile_estimate = cold_compile
+    state.active.zero_()
+    return time.perf_counter() - start

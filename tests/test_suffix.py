@@ -1,0 +1,265 @@
+"""Suffix drafting: the index (insert, match, scoring, boundaries, the cap) and the pipeline with it.
+
+The pipeline tests hold suffix drafts to what every draft is held to: greedy and seeded sampled output
+equal to plain decoding's, with acceptances that really happened, beside a Llama target (GQA cache)
+and a DeepSeek-V3 one (MLA cache, MoE); and a job whose answers repeat reaches a long acceptance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_deepseek_pairings import recipe as deepseek_recipe
+from test_deepseek_pairings import write_pairings
+from test_speculative import models, prompts, run, runner_for  # noqa: F401 (models: a fixture)
+
+from specgen.drafts.suffix import NO_PROPOSAL, Proposal, SuffixIndex, SuffixProposer
+from specgen.pipelines.host_policy import HostDraftPolicy
+from specgen.pipelines.runner import Request
+from specgen.recipe import recipe_from_dict
+
+# ------------------------------------------------------------------------------------------ the index
+
+
+def test_the_longest_match_decides_and_frequencies_score_the_path():
+    index = SuffixIndex()
+    index.append([1, 2, 3, 4, 5, 1, 2, 3, 4, 6, 1, 2, 3])
+    # "1 2 3" occurred twice before the end (which is the pattern itself, not an occurrence), both
+    # followed by 4; after "4" once 5 and once 6 (a tie: the smaller id), then 1; the match is 3
+    # tokens long, so at most 3 tokens (max_spec_factor 1)
+    proposal = index.propose(index.tokens, 5, live=True)
+    assert proposal.tokens == (4, 5, 1)
+    assert proposal.probs == (1.0, 0.5, 0.5)
+    assert proposal.score == pytest.approx(2.0)
+    # a longer match beats a more frequent shorter one: "9 1 2 3" occurred once, followed by 7
+    index.append([9, 1, 2, 3, 7, 8, 9, 1, 2, 3])
+    assert index.propose(index.tokens, 2, live=True).tokens == (7, 8)
+
+
+def test_the_path_stops_below_the_minimum_probability_and_at_k():
+    index = SuffixIndex(min_token_prob=0.3)
+    # after "5 6": 7 four times, then 8 / 9 / 10 / 11 once each (each 0.25 < 0.3 of the path)
+    for tail in (8, 9, 10, 11):
+        index.append([5, 6, 7, tail])
+        index.close()
+    proposal = index.propose([5, 6], 4)
+    assert proposal.tokens == (7,) and proposal.probs == (1.0,)
+    assert index.propose([5, 6], 0) is NO_PROPOSAL
+    assert index.propose([6], 4) is NO_PROPOSAL          # one token is no pattern
+    assert index.propose([1, 2], 4) is NO_PROPOSAL       # never seen
+
+
+def test_no_continuation_crosses_the_end_of_a_sequence():
+    index = SuffixIndex()
+    index.append([3, 4, 5])
+    index.close()
+    index.append([6, 7])
+    assert index.propose([3, 4, 5, 6], 3) is NO_PROPOSAL      # "5 6" spans the boundary: never a pair
+    assert index.propose([2, 3, 4], 3).tokens == (5,)          # and "3 4 5" ends at it
+    with pytest.raises(ValueError):
+        index.append([-1])
+
+
+def test_the_cap_keeps_the_newest_outputs_whole():
+    index = SuffixIndex(max_tokens=100)
+    for n in range(30):
+        index.append([1000 + n, 1, 2, 3, 4000 + n])
+        index.close()
+    assert len(index) <= 100
+    assert index.tokens[-1] == -1 and index.tokens[0] != -1 and index.tokens[index.tokens.index(-1) - 1] >= 4000
+    # the oldest outputs are gone, the newest still propose
+    assert len(index.propose([1000, 1, 2, 3], 1)) == 0      # "1 2 3": then any of 22 ids, none likely
+    assert index.propose([1029, 1, 2, 3], 1).tokens == (4029,)
+
+
+def test_what_the_index_costs_per_token():
+    """The figure the module docstring and the README quote: bytes held per token of text."""
+    gen = torch.Generator().manual_seed(0)
+    # a text-like stream: Zipf-distributed ids over a 49k vocabulary (SmolLM2's)
+    ranks = torch.arange(1, 49153, dtype=torch.float64)
+    tokens = torch.multinomial(1 / ranks, 200_000, replacement=True, generator=gen).tolist()
+    index = SuffixIndex()
+    index.append(tokens)
+    per_token = index.nbytes() / len(index)
+    assert 10 < per_token < 100, per_token      # 77 on this stream (Zipf: few repeated pairs)
+
+
+def test_the_proposer_takes_the_better_of_the_request_and_the_job():
+    proposer = SuffixProposer(2)
+    proposer.admit(0, [5, 6, 7])
+    proposer.extend(0, [10, 11, 12, 13, 14])
+    proposer.finish(0)                     # its output joins the job-wide index
+    proposer.admit(1, [8, 9])
+    proposer.extend(1, [10, 11])
+    # its own text has no "10 11" before; the job's output continues it
+    assert proposer.propose(1, 3).tokens == (12, 13)      # a 2-token match: at most 2 tokens
+    proposer.extend(1, [12, 13, 10, 11])
+    # now its own text has "12 13 10 11"? no: "10 11" once (followed by 12, probability 1) in its own,
+    # and in the job's; both score the same, its own is kept
+    assert proposer.propose(1, 2).tokens == (12, 13)
+    proposer.reset()
+    assert proposer.propose(1, 2) is NO_PROPOSAL and len(proposer.job) == 0
+
+
+# --------------------------------------------------------------------------------------- the pipeline
+
+
+def suffix_recipe(target, k=4, batch=4, compile=False, **sampling):
+    return recipe_from_dict({
+        "target": {"model": str(target), "dtype": "float32"},
+        "draft": {"method": "suffix", "num_speculative_tokens": k},
+        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
+        "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 96, "compile": compile},
+        "chat_template": False,
+    })
+
+
+def plain_recipe(target, batch=4, **sampling):
+    return recipe_from_dict({
+        "target": {"model": str(target), "dtype": "float32"}, "draft": {"method": "none"},
+        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
+        "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 96, "compile": False},
+        "chat_template": False,
+    })
+
+
+def repeated_prompts():
+    # each prompt twice: a job's second answer to a prompt repeats its first (greedy)
+    return [p for p in prompts(lengths=(3, 11, 6, 17)) for _ in range(2)]
+
+
+@pytest.mark.parametrize(("batch", "k"), [(1, 4), (3, 4), (3, "auto")])
+def test_greedy_suffix_equals_greedy_plain(models, batch, k):
+    target, _ = models
+    ids = repeated_prompts()
+    plain, _ = run(runner_for(plain_recipe(target, batch=batch)), ids)
+    runner = runner_for(suffix_recipe(target, k=k, batch=batch))
+    assert runner.proposer is not None and runner.unified.draft is None and runner.unified.k == 4
+    assert isinstance(runner.policy, HostDraftPolicy) == (k == "auto")
+    got, totals = run(runner, ids)
+    assert got == plain
+    histogram = totals.spec.acceptance_histogram
+    assert totals.spec.num_drafts > 0 and histogram[0] > 0 and histogram[4] > 0, histogram
+
+
+def test_seeded_sampled_suffix_equals_seeded_plain(models):
+    target, _ = models
+    ids = repeated_prompts()
+    sampling = {"temperature": 0.5, "top_p": 0.9}
+    plain, _ = run(runner_for(plain_recipe(target, **sampling)), ids)
+    greedy, _ = run(runner_for(plain_recipe(target)), ids)
+    assert plain != greedy
+    got, totals = run(runner_for(suffix_recipe(target, **sampling)), ids)
+    assert got == plain
+    assert totals.spec.num_accepted_tokens > 0 and totals.spec.acceptance_histogram[0] > 0
+
+
+def test_a_job_whose_answers_repeat_accepts_long_blocks(models):
+    """Batch 1: the second answer to each prompt is drafted from the first (the job-wide index)."""
+    target, _ = models
+    prompt = prompts(lengths=(9,))[0]
+    runner = runner_for(suffix_recipe(target, k=4, batch=1))
+    counters = {}
+    requests = [Request(f"r{i}", prompt, 40, request_key=i) for i in range(3)]
+    runner.run(requests, lambda c: counters.__setitem__(c.id, (c.token_ids, c.spec)))
+    (first, _), (second, spec) = counters["r0"], counters["r1"]
+    assert second == first
+    # all but the opening blocks (a match needs two tokens) accept every drafted token
+    assert spec.mean_acceptance_length > 3.5, spec.acceptance_histogram
+    # a new run forgets the job: its first answer has nothing to draft from but its own text
+    again = {}
+    runner.run(requests[:1], lambda c: again.__setitem__(c.id, c.spec))
+    assert again["r0"].num_accepted_tokens == counters["r0"][1].num_accepted_tokens
+
+
+def test_compiled_suffix_steps_keep_the_plain_output(models):
+    """The host writes its drafts into `pending` before the compiled verify of K + 1 rows (frozen,
+    the CPU's GEMM template), and plain steps run the compiled plain step: both as in a job."""
+    target, _ = models
+    ids = repeated_prompts()[:6]
+    plain, _ = run(runner_for(plain_recipe(target, batch=2)), ids)
+    runner = runner_for(suffix_recipe(target, k=3, batch=2, compile=True))
+    got, totals = run(runner, ids)
+    assert got == plain
+    assert runner.compiled and runner.functions.compiled_ks == {3} and runner.functions.verify_ready(1)
+    histogram = totals.spec.acceptance_histogram
+    assert histogram[0] > 0 and histogram[3] > 0 and totals.k_steps[0] > 0, (histogram, totals.k_steps)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return write_pairings(tmp_path_factory.mktemp("suffix-ds"), 96)["deepseek-mtp"][0]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_suffix_beside_an_mla_target_keeps_the_plain_output(deepseek, sampled):
+    sampling = {"temperature": 0.1} if sampled else {}
+    ids = repeated_prompts()
+    plain, _ = run(runner_for(deepseek_recipe(deepseek, **sampling)), ids, max_tokens=20)
+    if sampled:        # cold enough to repeat itself, hot enough to sample
+        assert plain != run(runner_for(deepseek_recipe(deepseek)), ids, max_tokens=20)[0]
+    got, totals = run(runner_for(deepseek_recipe(deepseek, "suffix", None, 3, **sampling)), ids, max_tokens=20)
+    assert got == plain
+    assert totals.spec.num_accepted_tokens > 0, totals.spec.acceptance_histogram
+
+
+def test_a_suffix_recipe_needs_no_model_and_trains_nothing():
+    recipe = recipe_from_dict({"target": {"model": "x"}, "draft": {"method": "suffix"}})
+    assert recipe.draft.enabled and not recipe.draft.has_model
+    assert recipe.draft.num_speculative_tokens == 3
+
+
+# ------------------------------------------------------------------------------ auto: HostDraftPolicy
+
+
+def proposal(*probs):
+    return Proposal(tuple(range(10, 10 + len(probs))), tuple(probs))
+
+
+def policy_with_costs(plain, drafted, k=4, **settings):
+    policy = HostDraftPolicy(k, **settings)
+    policy.profiled[(1, 0)], policy.profiled[(1, k)] = plain, drafted
+    return policy
+
+
+def test_auto_verifies_only_proposals_worth_their_step():
+    # a drafted step costs twice a plain one: worth it only where about one more token is expected
+    policy = policy_with_costs(0.010, 0.020)
+    c = policy.calibration()
+    assert policy.choose_host({0: NO_PROPOSAL}, 1, {4}, True) == 0
+    assert policy.choose_host({0: proposal(0.9)}, 1, {4}, True) == 0          # 1 + 0.63 < 2
+    assert policy.choose_host({0: proposal(1.0, 1.0, 0.9)}, 1, {4}, True) == 4  # 1 + 2.03 > 2
+    assert c == pytest.approx(0.7)
+    # where the drafted step costs what a plain one does, any likely proposal is verified
+    cheap = policy_with_costs(0.010, 0.0101)
+    assert cheap.choose_host({0: proposal(0.3)}, 1, {4}, True) == 4
+    # eager: each k costs its rows; the best k for these probabilities, not the longest
+    eager = policy_with_costs(0.010, 0.014)         # 1 ms a row past the first
+    assert eager.choose_host({0: proposal(1.0, 1.0, 0.1, 0.1)}, 1, {1, 2, 3, 4}, False) == 2
+    # and where a row costs what a plain step does, drafting never pays below certainty
+    assert policy_with_costs(0.010, 0.050).choose_host({0: proposal(0.9, 0.9)}, 1, {1, 2, 3, 4}, False) == 0
+
+
+def test_auto_learns_what_the_target_accepts_from_plain_steps_too():
+    policy = policy_with_costs(0.010, 0.0101)
+    # proposals made at plain steps (the drafted step not chosen: a costly one), then contradicted
+    costly = policy_with_costs(0.010, 0.100)
+    for _ in range(20):
+        assert costly.choose_host({0: proposal(1.0, 1.0)}, 1, {4}, True) == 0
+        costly.observe_tokens(0, [99])               # the target went elsewhere at once
+    assert costly.calibration() < 0.2
+    # verified blocks count too: all accepted raises it
+    for _ in range(20):
+        assert policy.choose_host({0: proposal(0.5, 0.5)}, 1, {4}, True) == 4
+        policy.observe_block(0, 4, 4)
+    assert policy.calibration() > 1.5
+
+
+def test_auto_compiles_the_drafted_step_only_where_the_job_repays_it():
+    def decide(horizon):
+        policy = policy_with_costs(0.020, 0.021, horizon_tokens=horizon)
+        policy.compile_estimate = 100.0
+        return policy.choose_host({0: proposal(1.0, 1.0, 1.0, 1.0)}, 1, set(), True)
+    # saving ~14 ms a token (gain from one step of EMA: small) needs ~10^5 tokens to repay 200 s
+    assert decide(1_000) == 0
+    assert decide(10_000_000) == 4
