@@ -361,6 +361,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     proposer = None
     if recipe.draft.enabled and not recipe.draft.has_model:
         proposer = SuffixProposer(b)
+        if recipe.draft.model:
+            notes.append(f"draft.method is {recipe.draft.method}: draft.model ({recipe.draft.model}) is not used")
     if recipe.draft.has_model:
         builder = DRAFT_METHODS[recipe.draft.method].builder()
         dummy = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
@@ -381,7 +383,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     spec = recipe.sampling.relaxed_acceptance
     if spec is not None and markers is not None:
         if draft is None:
-            notes.append("sampling.relaxed_acceptance has no effect without a draft")
+            notes.append("sampling.relaxed_acceptance has no effect without a draft model")
         else:
             relaxed = RelaxedAcceptance(spec.top_k, spec.delta, markers, tuple(sorted(eos)))
             notes.append(f"sampling.relaxed_acceptance is on (top_k {spec.top_k}, delta {spec.delta}): LOSSY "

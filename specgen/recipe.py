@@ -494,6 +494,9 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         max_speculative_tokens=k_max,
         dtype=check.get(d, "draft.dtype", _choice(DTYPES), "auto"),
     )
+    if draft.stochastic and method in ON_HOST:
+        check.problems.append(("draft.stochastic", f"applies to draft models only ({method} proposes "
+                                                   "tokens, not distributions)"))
 
     s = check.section(data, "sampling", _SAMPLING)
     top_k = check.get(s, "sampling.top_k", _integer(-1), 0)

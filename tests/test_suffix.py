@@ -15,8 +15,8 @@ from test_speculative import models, prompts, run, runner_for  # noqa: F401 (mod
 
 from specgen.drafts.suffix import NO_PROPOSAL, Proposal, SuffixIndex, SuffixProposer
 from specgen.pipelines.host_policy import HostDraftPolicy
-from specgen.pipelines.runner import Request
-from specgen.recipe import recipe_from_dict
+from specgen.pipelines.runner import Request, Runner
+from specgen.recipe import RecipeError, recipe_from_dict
 
 # ------------------------------------------------------------------------------------------ the index
 
@@ -86,7 +86,10 @@ def test_what_the_index_costs_per_token():
 
 def test_the_proposer_takes_the_better_of_the_request_and_the_job():
     proposer = SuffixProposer(2)
-    proposer.admit(0, [5, 6, 7])
+    proposer.admit(0, [5, 6, 7, 5, 6])
+    # before its first output token reaches the host nothing is proposed: a proposal from the
+    # prompt's end ("5 6" -> 7) would stand one position before the drafts' place
+    assert proposer.propose(0, 3) is NO_PROPOSAL
     proposer.extend(0, [10, 11, 12, 13, 14])
     proposer.finish(0)                     # its output joins the job-wide index
     proposer.admit(1, [8, 9])
@@ -129,8 +132,10 @@ def repeated_prompts():
 
 
 @pytest.mark.parametrize(("batch", "k"), [(1, 4), (3, 4), (3, "auto")])
-def test_greedy_suffix_equals_greedy_plain(models, batch, k):
+def test_greedy_suffix_equals_greedy_plain(models, batch, k, monkeypatch):
     target, _ = models
+    # auto's choices from fixed step costs (a drafted step 1% dearer), not this machine's timings
+    monkeypatch.setattr(HostDraftPolicy, "cost", lambda self, k, width: 0.010 + 0.0001 * k / self.k_max)
     ids = repeated_prompts()
     plain, _ = run(runner_for(plain_recipe(target, batch=batch)), ids)
     runner = runner_for(suffix_recipe(target, k=k, batch=batch))
@@ -140,6 +145,37 @@ def test_greedy_suffix_equals_greedy_plain(models, batch, k):
     assert got == plain
     histogram = totals.spec.acceptance_histogram
     assert totals.spec.num_drafts > 0 and histogram[0] > 0 and histogram[4] > 0, histogram
+
+
+class AlignedProposer(SuffixProposer):
+    """Checks, at every proposal, that the host's last token for the slot is the device's
+    `pending[slot, 0]`, the token the drafts continue (refills, narrowing, first steps)."""
+
+    def __init__(self, slots: int) -> None:
+        super().__init__(slots)
+        self.runner, self.checked = None, 0
+
+    def propose(self, slot, k):
+        if self.outputs[slot]:
+            assert int(self.runner.state.pending[slot, 0]) == self.requests[slot].tokens[-1]
+            self.checked += 1
+        return super().propose(slot, k)
+
+
+def test_proposals_continue_the_token_the_device_holds(models):
+    target, _ = models
+    ids = repeated_prompts()
+    plain, _ = run(runner_for(plain_recipe(target, batch=3)), ids)
+    built = runner_for(suffix_recipe(target, batch=3))
+    proposer = AlignedProposer(3)
+    runner = Runner(built.unified, batch_size=3, max_seq_len=built.max_seq_len, rules=built.rules,
+                    sampling=built.sampling, seed=built.seed, device=built.device, dtype=torch.float32,
+                    overlap=True, proposer=proposer)
+    proposer.runner = runner
+    assert runner.lag == 0              # host drafts need the previous step's tokens: never lagged
+    got, totals = run(runner, ids)
+    assert got == plain and proposer.checked > 50 and totals.spec.num_accepted_tokens > 0
+    assert runner.width < 3             # the run's tail was narrowed (slots moved) and stayed aligned
 
 
 def test_seeded_sampled_suffix_equals_seeded_plain(models):
@@ -207,6 +243,8 @@ def test_a_suffix_recipe_needs_no_model_and_trains_nothing():
     recipe = recipe_from_dict({"target": {"model": "x"}, "draft": {"method": "suffix"}})
     assert recipe.draft.enabled and not recipe.draft.has_model
     assert recipe.draft.num_speculative_tokens == 3
+    with pytest.raises(RecipeError, match="recipe.draft.stochastic: applies to draft models only"):
+        recipe_from_dict({"target": {"model": "x"}, "draft": {"method": "suffix", "stochastic": True}})
 
 
 # ------------------------------------------------------------------------------ auto: HostDraftPolicy

@@ -19,8 +19,8 @@ the job's, the proposal with the higher score wins.
 
 Why an index of positions rather than a suffix tree: a depth-24 suffix trie keeps up to 24 nodes per
 token (a Python dict node costs ~200 bytes: kilobytes per token); `SuffixIndex` keeps the tokens
-and, for every pair of consecutive tokens, where it occurred (about 40-60 bytes per token, measured
-in tests/test_suffix.py), and answers the same question (which continuations follow the longest
+and, for every pair of consecutive tokens, where it occurred (at most about 80 bytes per token:
+77 on a stream where few pairs repeat, tests/test_suffix.py), and answers the same question (which continuations follow the longest
 matched suffix, how often) by comparing tokens backwards from each occurrence of the last pair.
 Only the most recent `max_candidates` occurrences of a pair are compared: a very frequent pair
 ("\\n\\n" in a long job) costs no more than a rare one, at the price of forgetting old occurrences.
@@ -37,12 +37,12 @@ MAX_DEPTH = 24
 MAX_SPEC_FACTOR = 1.0
 MIN_TOKEN_PROB = 0.1
 MAX_CANDIDATES = 256
-# The job-wide index keeps the newest outputs up to this many tokens (about 50 MB; test_suffix.py
-# measures the bytes per token), dropping the oldest whole outputs first.
+# The job-wide index keeps the newest outputs up to this many tokens (at most about 80 MB;
+# test_suffix.py measures the bytes per token), dropping the oldest whole outputs first.
 JOB_INDEX_TOKENS = 1_000_000
 
 _END = -1           # closes a sequence in an index: no continuation crosses it
-_PAIR_SHIFT = 20    # a pair's key: first << 20 | second (vocabularies up to 1M ids)
+_PAIR_SHIFT = 32    # a pair's key: first << 32 | second (token ids are below 2^31)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,7 +233,9 @@ class SuffixProposer:
 
     def propose(self, slot: int, k: int) -> Proposal:
         index = self.requests[slot]
-        if index is None or k <= 0:
+        # no output token yet: the prefill sampled the first one on the device, and the host learns
+        # it with the slot's first step; a proposal from the prompt's end would be one position early
+        if index is None or k <= 0 or not self.outputs[slot]:
             return NO_PROPOSAL
         context = index.tokens[-index.max_depth:]
         own = index.propose(context, k, live=True)

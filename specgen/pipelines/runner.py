@@ -272,6 +272,7 @@ class Runner:
         """Choose k with `policy` from the next run on (bench: fixed K and auto over one compiled
         step). Its k never exceeds the step's K."""
         assert (policy.k if isinstance(policy, FixedPolicy) else policy.k_max) <= self.unified.k
+        assert self.proposer is None or not isinstance(policy, AdaptivePolicy), "host drafts: HostDraftPolicy"
         self.policy = policy
 
     def close(self) -> None:
@@ -462,9 +463,10 @@ class Runner:
             lengths[b] += accepted + 1
             committed = emitted[: accepted + 1]
             if proposer is not None:
-                proposer.extend(b, committed)
                 self.policy.observe_tokens(b, committed)
             for token in committed:
+                if proposer is not None:
+                    proposer.extend(b, (token,))     # up to the last token the output keeps
                 if slot.tracker.add(token):
                     self._release(b, slots, finish)
                     break
