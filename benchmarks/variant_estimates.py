@@ -19,7 +19,7 @@ import torch
 
 from specgen.job import build_runner, resolve
 from specgen.pipelines.policy import AdaptivePolicy
-from specgen.pipelines.profile import _time
+from specgen.pipelines.profile import median_seconds
 from specgen.recipe import load_recipe
 
 
@@ -50,15 +50,15 @@ def main() -> None:
     unified = f.unified
     with torch.inference_mode():
         key_index = f.key_index(kv)
-        plain = _time(f.device, lambda: f.verify(kv, 1), 7)
-        eager_plain = _time(f.device, lambda: unified.verify_block(f.state, f.caches, f.sampling, key_index,
+        plain = median_seconds(f.device, lambda: f.verify(kv, 1), 7)
+        eager_plain = median_seconds(f.device, lambda: unified.verify_block(f.state, f.caches, f.sampling, key_index,
                                                                   torch.arange(1, device=f.device)), 3)
         print(f"{args.recipe}, batch {width}, {args.dtype}, {torch.get_num_threads()} threads")
         print(f"plain step: compiled {1e3 * plain:.1f} ms, eager {1e3 * eager_plain:.1f} ms")
         for k in args.ks:
             f.step(kv, k + 1, k)           # compiles
-            step = _time(f.device, lambda: f.step(kv, k + 1, k), 7)
-            eager_verify = _time(f.device, lambda: unified.verify_block(f.state, f.caches, f.sampling, key_index,
+            step = median_seconds(f.device, lambda: f.step(kv, k + 1, k), 7)
+            eager_verify = median_seconds(f.device, lambda: unified.verify_block(f.state, f.caches, f.sampling, key_index,
                                                                         torch.arange(k + 1, device=f.device)), 3)
             floor = f"{1e3 * floors[k]:.1f}" if floors[k] is not None else "-"
             print(f"k = {k}: estimated {1e3 * estimates[k]:.1f} ms (floor {floor}); compiled "

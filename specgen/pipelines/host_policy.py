@@ -36,6 +36,8 @@ from collections.abc import Sequence
 
 import torch
 
+from specgen.pipelines.profile import median_seconds
+
 COST_WINDOW = 15
 CALIBRATION_PRIOR = (4.0, 2.8)     # pseudo (predicted, accepted) tokens: the index's figures at 0.7
 GAIN_RATE = 0.05                   # the job's mean gain per step: an EMA over ~20 steps
@@ -187,20 +189,6 @@ class HostDraftPolicy:
                 "step_ms": {f"{w}x{k}": round(1e3 * self.cost(k, w), 2) for (w, k) in sorted(self.costs)}}
 
 
-def _median_seconds(device: torch.device, call, repeats: int = 3) -> float:
-    call()
-    seconds = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
-
-
 @torch.inference_mode()
 def profile(policy: HostDraftPolicy, functions, kv_len: int, slots: int, cold_compile: float) -> float:
     """Warm-up, every slot inactive: time the plain step (compiled already) and estimate K's step;
@@ -210,16 +198,16 @@ def profile(policy: HostDraftPolicy, functions, kv_len: int, slots: int, cold_co
     state, caches, sampling = functions.state, functions.caches, functions.sampling
     state.active.zero_()
     k = policy.k_max
-    plain = _median_seconds(device, lambda: functions.verify(kv_len, 1))
+    plain = median_seconds(device, lambda: functions.verify(kv_len, 1))
     policy.profiled[(slots, 0)] = plain
     if functions.verify_ready(k + 1):
-        policy.profiled[(slots, k)] = _median_seconds(device, lambda: functions.verify(kv_len, k + 1))
+        policy.profiled[(slots, k)] = median_seconds(device, lambda: functions.verify(kv_len, k + 1))
     else:
         key_index = functions.key_index(kv_len)
 
         def eager(t: int) -> float:
             rows = torch.arange(t, device=device)
-            return _median_seconds(device, lambda: unified.verify_block(state, caches, sampling, key_index, rows), 1)
+            return median_seconds(device, lambda: unified.verify_block(state, caches, sampling, key_index, rows), 1)
 
         plain_eager = eager(1)
         policy.profiled[(slots, k)] = eager(k + 1) * min(1.0, plain / plain_eager)

@@ -35,7 +35,7 @@ MIN_COMPILE_SECONDS = 5.0
 COLD_OVER_CACHED_COMPILE = 3.0
 
 
-def _time(device: torch.device, call, repeats: int = REPEATS) -> float:
+def median_seconds(device: torch.device, call, repeats: int = REPEATS) -> float:
     """Median seconds of `call()` (after one untimed call)."""
     call()
     seconds = []
@@ -67,8 +67,8 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
     state.active.zero_()
     k_max = unified.k
     key_index = functions.key_index(kv_len)
-    plain = _time(device, lambda: functions.verify(kv_len, 1))
-    cost = {0: plain} | {k: _time(device, lambda k=k: functions.step(kv_len, k + 1, k))
+    plain = median_seconds(device, lambda: functions.verify(kv_len, 1))
+    cost = {0: plain} | {k: median_seconds(device, lambda k=k: functions.step(kv_len, k + 1, k))
                          for k in sorted(functions.compiled_ks)}
     missing = [k for k in range(1, k_max + 1) if k not in cost]
     floor: dict[int, float] = {}
@@ -79,7 +79,7 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
     if missing:
         # Not compiled yet: eager times, scaled as the plain step scales from eager to compiled.
         def eager(call) -> float:
-            return _time(device, call, 1)
+            return median_seconds(device, call, 1)
 
         plain_eager = eager(lambda: unified.verify_block(state, caches, sampling, key_index,
                                                          torch.arange(1, device=device)))
@@ -112,7 +112,7 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
         before = functions.compiled_seconds()
         functions.step(kv_len, best + 1, best)              # compiles it
         spent = functions.compiled_seconds() - before
-        policy.set_cost(best, slots, _time(device, lambda: functions.step(kv_len, best + 1, best)))
+        policy.set_cost(best, slots, median_seconds(device, lambda: functions.step(kv_len, best + 1, best)))
         # the others from what compiling this variant really took: its verify as the plain step's,
         # its draft in proportion to k
         measured = cold_compile_seconds(functions, ("step", best)) or spent
