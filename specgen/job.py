@@ -41,6 +41,7 @@ from specgen.checkpoints.store import CheckpointError, cache_root, read_config, 
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
                           stats_path, tokenize_with_generation_start, write_json_atomic)
+from specgen.drafts.suffix import SuffixProposer
 from specgen.machine import choose_threads, cpu_has_avx512, cpu_has_bf16
 from specgen.pipelines.compiled import freezes, use_compile_cache
 from specgen.pipelines.host_policy import HostDraftPolicy
@@ -50,7 +51,6 @@ from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
 from specgen.pipelines.stats import SpecCounters
 from specgen.pipelines.stops import StopRules, eos_ids_from
-from specgen.drafts.suffix import SuffixProposer
 from specgen.pipelines.unified import UnifiedStep
 from specgen.recipe import Recipe
 from specgen.registry import DRAFT_METHODS, UnsupportedError, architecture_name, check_pairing

@@ -670,10 +670,11 @@ def test_a_job_compiles_only_the_variants_it_can_repay(checkpoints):
     short = warmed_auto(10).functions
     assert short.verify_ready(1) and short.compiled_ks == set()
     assert not any(short.verify_ready(t) for t in (2, 3, 4))
-    # the variant that pays at this acceptance (k = 3): the fixed runner's graph (same weights and
-    # shapes), which the graph cache serves
+    # one variant, the one its estimates say pays at this acceptance: k = 3 on an idle machine (the
+    # fixed runner's graph, same weights and shapes, which the graph cache serves); the estimates
+    # come from eager timings, so which k is not asserted (a loaded machine once made it k = 1)
     long = warmed_auto(10**9)
-    assert long.functions.verify_ready(1) and long.functions.compiled_ks == {3}
+    assert long.functions.verify_ready(1) and len(long.functions.compiled_ks) == 1
 
 
 def test_a_plain_step_loaded_from_the_graph_cache_does_not_make_variants_look_cheap(checkpoints, monkeypatch):
