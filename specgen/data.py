@@ -331,6 +331,37 @@ def error_record(record: PromptRecord, message: str) -> dict:
     }
 
 
+class ResultsFileError(Exception):
+    """A results file given to read from (`draft.suffix_history`) cannot be used; names the line."""
+
+
+def read_answer_ids(path: Path) -> list[list[int]]:
+    """The `token_ids` of every answer in a results file (this writer's JSONL), in file order. Error
+    records and empty answers are skipped, and so is a torn last line (a killed run's); any other
+    line that is not a result is a `ResultsFileError` naming it."""
+    if not path.is_file():
+        raise ResultsFileError(f"{path}: not found")
+    answers: list[list[int]] = []
+    lines = path.read_bytes().split(b"\n")
+    for n, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            if n == len(lines):          # no newline after it: the line a killed run was writing
+                break
+            raise ResultsFileError(f"{path.name} line {n}: not valid JSON") from None
+        ids = record.get("token_ids") if isinstance(record, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                for t in ids):
+            raise ResultsFileError(f"{path.name} line {n}: not a result (its token_ids must be a list of "
+                                   "token ids)")
+        if ids:
+            answers.append(ids)
+    return answers
+
+
 def stats_path(output: Path) -> Path:
     """Where the aggregate statistics of `output` go: `<output>.stats.json`."""
     return Path(str(output) + ".stats.json")

@@ -39,13 +39,14 @@ from specgen.checkpoints.loading import (
 )
 from specgen.checkpoints.store import CheckpointError, cache_root, read_config, resolve_checkpoint
 from specgen.checkpoints.tokenizer import load_tokenizer
-from specgen.data import (PromptRecord, PromptSourceError, ResultWriter, read_prompts,
-                          stats_path, tokenize_with_generation_start, write_json_atomic)
+from specgen.data import (PromptRecord, PromptSourceError, ResultsFileError, ResultWriter, read_answer_ids,
+                          read_prompts, stats_path, tokenize_with_generation_start, write_json_atomic)
 from specgen.drafts.suffix import SuffixProposer
 from specgen.machine import choose_threads, cpu_has_avx512, cpu_has_bf16
 from specgen.pipelines.compiled import freezes, use_compile_cache
 from specgen.pipelines.host_policy import HostDraftPolicy
-from specgen.pipelines.policy import FIRST_PROBE_INTERVAL, AdaptivePolicy, per_position_prior
+from specgen.pipelines.hybrid_policy import HybridPolicy
+from specgen.pipelines.policy import FIRST_PROBE_INTERVAL, AdaptivePolicy, FixedPolicy, per_position_prior
 from specgen.pipelines.reasoning import THINK_END, THINK_START, ReasoningMarkers
 from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.runner import Completion, Progress, Request, Runner, RunTotals
@@ -163,7 +164,7 @@ def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
             target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device="meta",
                                  dummy=dummy, dry=not dummy)
             if recipe.draft.enabled and r.draft_config is not None and recipe.draft.load_format != "dummy":
-                load_draft(recipe.draft.method, r.draft_config, r.draft_folder, target,
+                load_draft(recipe.draft.model_method, r.draft_config, r.draft_folder, target,
                            num_speculative_tokens=recipe.draft.k_max, dtype=r.draft_dtype,
                            device="meta", dummy=r.draft_folder is None, dry=r.draft_folder is not None)
     except (CheckpointError, ValueError) as err:
@@ -195,8 +196,8 @@ def with_overrides(config: dict, overrides: dict) -> dict:
 
 def _draft_inside_a_dummy_target(recipe: Recipe) -> bool:
     """MTP without draft.model on a dummy target: the layer the config describes, with random weights."""
-    return (recipe.target.load_format == "dummy" and recipe.draft.model is None
-            and recipe.draft.load_format != "dummy" and DRAFT_METHODS[recipe.draft.method].lives_in_target)
+    return (recipe.target.load_format == "dummy" and recipe.draft.model is None and recipe.draft.has_model
+            and recipe.draft.load_format != "dummy" and DRAFT_METHODS[recipe.draft.model_method].lives_in_target)
 
 
 def _draft_checkpoint(recipe: Recipe, target_folder: Path, target_config: dict) -> tuple[Path, dict]:
@@ -204,7 +205,7 @@ def _draft_checkpoint(recipe: Recipe, target_folder: Path, target_config: dict) 
         folder = resolve_checkpoint(recipe.draft.model)
         return folder, read_config(folder)
     # Only methods whose layer can live in the target's checkpoint get here (registry: lives_in_target).
-    method = recipe.draft.method
+    method = recipe.draft.model_method
     if not has_draft_layers(method, target_folder, target_config):
         prefix = DRAFT_METHODS[method].builder().weight_prefix(target_config)
         raise CheckpointError(f"{target_folder}: draft.method {method} without draft.model needs "
@@ -218,7 +219,7 @@ def _draft_checkpoint(recipe: Recipe, target_folder: Path, target_config: dict) 
 
 def draft_config(recipe: Recipe, r: Resolved, cfg):
     """The draft's config object (from its checkpoint, or the dummy config in the target's shape)."""
-    builder = DRAFT_METHODS[recipe.draft.method].builder()
+    builder = DRAFT_METHODS[recipe.draft.model_method].builder()
     return builder.config_cls.from_hf(r.draft_config or builder.dummy_config(cfg.shape()),
                                       target_layers=cfg.num_layers, target_hidden=cfg.hidden_size,
                                       target_vocab=cfg.vocab_size)
@@ -259,8 +260,8 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
         parts["CUDA graph pool"] = parts["logits workspace"] + parts["activations"]
     if dcfg is not None:
         draft_item = torch.empty((), dtype=r.draft_dtype).element_size()
-        parts["draft weights"] = dcfg.num_parameters(draft_tensor_names(recipe.draft.method, r.draft_folder, r.draft_config)) * draft_item
-        if r.draft_dtype != r.dtype and recipe.draft.method in ("mtp", "dflash"):
+        parts["draft weights"] = dcfg.num_parameters(draft_tensor_names(recipe.draft.model_method, r.draft_folder, r.draft_config)) * draft_item
+        if r.draft_dtype != r.dtype and recipe.draft.model_method in ("mtp", "dflash"):
             parts["draft weights"] += vocab * hidden * draft_item   # the shared head again, in its dtype
         parts["draft KV cache"] = dcfg.cache_bytes_per_token(r.draft_dtype) * b * seq
         if recipe.draft.stochastic:
@@ -359,20 +360,28 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
             notes.append(f"text-only run: the checkpoint's {', '.join(unread)} weights are not loaded")
     draft = None
     proposer = None
-    if recipe.draft.enabled and not recipe.draft.has_model:
-        proposer = SuffixProposer(b)
-        if recipe.draft.model:
+    if recipe.draft.host_method is not None:
+        history = ()
+        if recipe.draft.suffix_history is not None:
+            try:
+                history = read_answer_ids(Path(recipe.draft.suffix_history))
+            except ResultsFileError as err:
+                raise InputError(f"draft.suffix_history: {err}") from None
+            notes.append(f"draft.suffix_history: the job-wide suffix index starts from {len(history)} answers "
+                         f"of {recipe.draft.suffix_history}")
+        proposer = SuffixProposer(b, history=history)
+        if recipe.draft.model and not recipe.draft.has_model:
             notes.append(f"draft.method is {recipe.draft.method}: draft.model ({recipe.draft.model}) is not used")
     if recipe.draft.has_model:
-        builder = DRAFT_METHODS[recipe.draft.method].builder()
+        builder = DRAFT_METHODS[recipe.draft.model_method].builder()
         dummy = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
-        draft = load_draft(recipe.draft.method, r.draft_config or builder.dummy_config(target.shape),
+        draft = load_draft(recipe.draft.model_method, r.draft_config or builder.dummy_config(target.shape),
                            r.draft_folder, target, num_speculative_tokens=recipe.draft.k_max,
                            dtype=r.draft_dtype, device=r.device, dummy=dummy)
         if _draft_inside_a_dummy_target(recipe):
-            notes.append(f"the target is dummy, so its {recipe.draft.method} layer is random too")
+            notes.append(f"the target is dummy, so its {recipe.draft.model_method} layer is random too")
         elif dummy:
-            notes.append(f"draft.load_format is dummy: a RANDOMLY INITIALISED {recipe.draft.method} "
+            notes.append(f"draft.load_format is dummy: a RANDOMLY INITIALISED {recipe.draft.model_method} "
                          "draft (deterministic, demo only); output equals the target's alone but "
                          "acceptance is near zero")
     generation_config = {}
@@ -391,7 +400,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                          "the rest is verified strictly")
     use_kernel, num_sms = attention_kernel_for(r.device)
     step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,
-                       num_sms=num_sms, relaxed=relaxed, host_k=recipe.draft.k_max if proposer is not None else 0)
+                       num_sms=num_sms, relaxed=relaxed, host_k=recipe.draft.k_max if proposer is not None else 0,
+                       host_drafts=proposer is not None)
     s = recipe.sampling
     sampling = SamplingTensors.build([s.temperature] * b, [s.top_k] * b, [s.top_p] * b,
                                      [s.min_p] * b, r.device)
@@ -400,18 +410,23 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     if compile:
         use_compile_cache(cache_root() / "compiled")
     policy = None
-    if proposer is not None and recipe.draft.adaptive:
+    if proposer is not None and recipe.draft.adaptive and draft is None:
         policy = HostDraftPolicy(step.k, horizon_tokens=expected_tokens)
-    if draft is not None and recipe.draft.adaptive:
+    if draft is not None:
         dummy_draft = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
-        policy = AdaptivePolicy(step.k, acceptance_prior(r.draft_folder, step.k, dummy_draft),
-                                horizon_tokens=expected_tokens,
-                                max_interval=max(FIRST_PROBE_INTERVAL, step.max_window - step.k - 1),
-                                max_window=step.max_window)
+        prior = acceptance_prior(r.draft_folder, step.k, dummy_draft)
+        if recipe.draft.adaptive:
+            policy = AdaptivePolicy(step.k, prior, horizon_tokens=expected_tokens,
+                                    max_interval=max(FIRST_PROBE_INTERVAL, step.max_window - step.k - 1),
+                                    max_window=step.max_window)
+        if proposer is not None:      # a hybrid: per step and slot, the model's block or the host's
+            estimator = None if recipe.draft.adaptive else AdaptivePolicy(step.k, prior)
+            policy = HybridPolicy(policy or FixedPolicy(step.k), HostDraftPolicy(step.k, horizon_tokens=expected_tokens),
+                                  estimator)
     runner = Runner(step, batch_size=b, max_seq_len=recipe.runtime.max_seq_len, rules=rules,
                     sampling=sampling, seed=seed, device=r.device, dtype=r.dtype, compile=compile,
                     reasoning=markers, policy=policy, proposer=proposer)
-    k_part = f"K=auto (0..{step.k})" if policy is not None else f"K={step.k}"
+    k_part = f"K=auto (0..{step.k})" if recipe.draft.adaptive else f"K={step.k}"
     draft_part = f"draft {recipe.draft.method} {k_part}" if recipe.draft.enabled else "no draft"
     if relaxed is not None:
         draft_part += ", relaxed acceptance in reasoning (lossy)"

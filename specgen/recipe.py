@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from specgen.registry import DRAFT_METHODS as _REGISTERED, METHOD_NAMES
+from specgen.registry import DRAFT_METHODS as _REGISTERED, METHOD_NAMES, method_parts
 
 # Draft methods come from the one registry (specgen/registry.py).
 DRAFT_METHODS: tuple[str, ...] = METHOD_NAMES
@@ -89,15 +89,28 @@ class DraftSpec:
     # auto = bfloat16 where the target's auto takes it (job.auto_dtype), else the target's; a bf16 draft beside
     # a float32 target keeps the target's exact output (job.draft_dtype).
     dtype: str = "auto"
+    # suffix (alone or in a hybrid): a results file of an earlier run whose answers the job-wide index
+    # starts from (opt-in: otherwise nothing crosses runs)
+    suffix_history: str | None = None
 
     @property
     def enabled(self) -> bool:
         return self.method != "none"
 
     @property
+    def model_method(self) -> str | None:
+        """The draft model's method (`eagle3` of `eagle3+suffix`); None: no draft model runs."""
+        return method_parts(self.method)[0]
+
+    @property
+    def host_method(self) -> str | None:
+        """The method proposing on the host (`suffix`, alone or in a hybrid); None: none does."""
+        return method_parts(self.method)[1]
+
+    @property
     def has_model(self) -> bool:
-        """A draft model runs beside the target (not plain decoding, not a host-side method)."""
-        return self.enabled and self.method not in ON_HOST
+        """A draft model runs beside the target (not plain decoding, not a host-side method alone)."""
+        return self.model_method is not None
 
     @property
     def adaptive(self) -> bool:
@@ -206,7 +219,7 @@ class Recipe:
             del data["train"]
         else:  # fields of other methods are errors in a recipe: keep them out too
             for key, methods in TRAIN_FIELDS_OF.items():
-                if self.draft.method not in methods:
+                if self.draft.model_method not in methods:
                     del data["train"][key]
         return data
 
@@ -442,7 +455,7 @@ _TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_tem
 _TRAIN = tuple(TrainSpec.__dataclass_fields__)
 _TARGET = ("model", "dtype", "load_format", "hf_overrides")
 _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic", "max_speculative_tokens",
-          "dtype")
+          "dtype", "suffix_history")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos",
              "relaxed_acceptance")
 _RELAXED = ("top_k", "delta")
@@ -476,13 +489,14 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
     k_max = check.get(d, "draft.max_speculative_tokens", _optional(_integer(1, MAX_NUM_SPECULATIVE_TOKENS)), None)
     if k_max is not None and k != "auto":
         check.problems.append(("draft.max_speculative_tokens", "only applies to num_speculative_tokens: auto (null when K is pinned)"))
+    model_method, host_method = method_parts(method)
     if method != "none":
-        if k is None and method not in K_FROM_DRAFT:
+        if k is None and model_method not in K_FROM_DRAFT:
             k = DEFAULT_NUM_SPECULATIVE_TOKENS
-        if k == "auto" and k_max is None and method not in K_FROM_DRAFT:
+        if k == "auto" and k_max is None and model_method not in K_FROM_DRAFT:
             k_max = DEFAULT_MAX_SPECULATIVE_TOKENS
         # A dummy draft is built from the target's shape alone, so only a real one needs a checkpoint.
-        needs_model = draft_format != "dummy" and method not in DRAFT_IN_TARGET + ON_HOST
+        needs_model = draft_format != "dummy" and model_method is not None and model_method not in DRAFT_IN_TARGET
         if draft_model is None and needs_model and "draft.model" not in dict(check.problems):
             check.problems.append(("draft.model", f"required when method is {method} (or set load_format: dummy)"))
     draft = DraftSpec(
@@ -493,9 +507,13 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         stochastic=check.get(d, "draft.stochastic", _boolean, False),
         max_speculative_tokens=k_max,
         dtype=check.get(d, "draft.dtype", _choice(DTYPES), "auto"),
+        suffix_history=check.get(d, "draft.suffix_history", _optional(_string), None),
     )
-    if draft.stochastic and method in ON_HOST:
-        check.problems.append(("draft.stochastic", f"applies to draft models only ({method} proposes "
+    # (kept without a draft: the same recipe runs plain with `--set draft.method=none`, as bench's ar)
+    if draft.suffix_history is not None and host_method is None and method != "none":
+        check.problems.append(("draft.suffix_history", f"applies to suffix drafting only (draft.method is {method})"))
+    if draft.stochastic and host_method is not None:
+        check.problems.append(("draft.stochastic", f"applies to draft models only ({host_method} proposes "
                                                    "tokens, not distributions)"))
 
     s = check.section(data, "sampling", _SAMPLING)
@@ -631,7 +649,8 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
         # The same recipe runs without its draft (`--set draft.method=none`, bench's ar baseline):
         # nothing to train then, so the section is set aside, checked but not tied to a method.
         return None
-    if method in ON_HOST:
+    method = method_parts(method)[0]
+    if method is None:
         # `--set draft.method=suffix` on a draft's recipe: nothing to train, set aside as for none
         return None
     for key, methods in TRAIN_FIELDS_OF.items():

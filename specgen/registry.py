@@ -58,8 +58,20 @@ TARGET_ARCHITECTURES: dict[str, TargetArchitecture] = {a.name: a for a in (
                        ("eagle3", "dflash", "suffix")),
 )}
 
+# A draft model and host proposals side by side (`eagle3+suffix`): per step and slot, the better one.
+HYBRID_METHODS: tuple[str, ...] = tuple(f"{model.name}+{host.name}" for model in DRAFT_METHODS.values()
+                                        if not model.on_host for host in DRAFT_METHODS.values() if host.on_host)
+
 # Every value `draft.method` may take.
-METHOD_NAMES: tuple[str, ...] = ("none", *DRAFT_METHODS)
+METHOD_NAMES: tuple[str, ...] = ("none", *DRAFT_METHODS, *HYBRID_METHODS)
+
+
+def method_parts(method: str) -> tuple[str | None, str | None]:
+    """(the draft model's method, the host method) a `draft.method` names; None for an absent part."""
+    parts = method.split("+") if method != "none" else []
+    model = next((p for p in parts if p in DRAFT_METHODS and not DRAFT_METHODS[p].on_host), None)
+    host = next((p for p in parts if p in DRAFT_METHODS and DRAFT_METHODS[p].on_host), None)
+    return model, host
 
 
 class UnsupportedError(ValueError):
@@ -90,7 +102,9 @@ def target_architecture(config: dict, where: str = "config.json") -> TargetArchi
 
 def check_pairing(architecture: str, method: str) -> None:
     arch = TARGET_ARCHITECTURES.get(architecture)
-    methods = ("none", *(arch.draft_methods if arch else ()))
+    single = arch.draft_methods if arch else ()
+    hybrids = tuple(m for m in HYBRID_METHODS if all(p in single for p in method_parts(m)))
+    methods = ("none", *single, *hybrids)
     if method not in methods:
         raise UnsupportedError(f"draft.method {method!r} is not available for {architecture} targets "
                                f"(available: {', '.join(methods)})")

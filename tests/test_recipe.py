@@ -115,7 +115,7 @@ def test_int_accepted_as_float():
         (with_section("runtime", compile="yes"), "recipe.runtime.compile: expected true, false or auto, got 'yes'"),
         (with_section("runtime", threads=0), "recipe.runtime.threads: must be >= 1"),
         (with_section("runtime", threads="many"), "recipe.runtime.threads: expected an integer, got 'many'"),
-        (with_section("draft", method="medusa"), "recipe.draft.method: must be one of none, eagle3, dflash, mtp, suffix"),
+        (with_section("draft", method="medusa"), "recipe.draft.method: must be one of none, eagle3, dflash, mtp, suffix, eagle3+suffix, dflash+suffix, mtp+suffix"),
         (
             with_section("draft", method="eagle3", model="d", num_speculative_tokens=0),
             "recipe.draft.num_speculative_tokens: must be >= 1",

@@ -7,6 +7,8 @@ and a DeepSeek-V3 one (MLA cache, MoE); and a job whose answers repeat reaches a
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_deepseek_pairings import recipe as deepseek_recipe
@@ -14,6 +16,7 @@ from test_deepseek_pairings import write_pairings
 from test_speculative import models, prompts, run, runner_for  # noqa: F401 (models: a fixture)
 
 from specgen.drafts.suffix import NO_PROPOSAL, Proposal, SuffixIndex, SuffixProposer
+from specgen.job import InputError
 from specgen.pipelines.host_policy import HostDraftPolicy
 from specgen.pipelines.runner import Request, Runner
 from specgen.recipe import RecipeError, recipe_from_dict
@@ -107,10 +110,10 @@ def test_the_proposer_takes_the_better_of_the_request_and_the_job():
 # --------------------------------------------------------------------------------------- the pipeline
 
 
-def suffix_recipe(target, k=4, batch=4, compile=False, **sampling):
+def suffix_recipe(target, k=4, batch=4, compile=False, history=None, **sampling):
     return recipe_from_dict({
         "target": {"model": str(target), "dtype": "float32"},
-        "draft": {"method": "suffix", "num_speculative_tokens": k},
+        "draft": {"method": "suffix", "num_speculative_tokens": k, "suffix_history": history},
         "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
         "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 96, "compile": compile},
         "chat_template": False,
@@ -206,6 +209,31 @@ def test_a_job_whose_answers_repeat_accepts_long_blocks(models):
     again = {}
     runner.run(requests[:1], lambda c: again.__setitem__(c.id, c.spec))
     assert again["r0"].num_accepted_tokens == counters["r0"][1].num_accepted_tokens
+
+
+def test_a_run_starts_from_earlier_answers_only_where_asked(models, tmp_path):
+    """`draft.suffix_history`: an earlier run's results file seeds the job-wide index (its torn last
+    line skipped), so the first answer of a new run already drafts from the old one; a line that is
+    not a result is an error naming it."""
+    target, _ = models
+    request = Request("r0", prompts(lengths=(9,))[0], 40, request_key=0)
+    earlier = {}
+    runner_for(suffix_recipe(target, batch=1)).run([request], lambda c: earlier.__setitem__(c.id, c))
+    results = tmp_path / "earlier.jsonl"
+    results.write_text(json.dumps({"id": "r0", "token_ids": earlier["r0"].token_ids}) + "\n"
+                       + json.dumps({"id": "bad", "token_ids": [], "finish_reason": "error"}) + "\n"
+                       + '{"id": "torn", "token_')
+    again = {}
+    runner_for(suffix_recipe(target, batch=1, history=str(results))).run(
+        [request], lambda c: again.__setitem__(c.id, c))
+    assert again["r0"].token_ids == earlier["r0"].token_ids
+    assert earlier["r0"].spec.mean_acceptance_length < 2.5 < 3.5 < again["r0"].spec.mean_acceptance_length
+    results.write_text(json.dumps({"id": "r0", "token_ids": [1, 2]}) + "\nnot json\n")
+    with pytest.raises(InputError, match="draft.suffix_history: earlier.jsonl line 2: not valid JSON"):
+        runner_for(suffix_recipe(target, batch=1, history=str(results)))
+    with pytest.raises(RecipeError, match="draft.suffix_history: applies to suffix drafting only"):
+        recipe_from_dict({"target": {"model": "x"},
+                          "draft": {"method": "mtp", "suffix_history": str(results)}})
 
 
 def test_compiled_suffix_steps_keep_the_plain_output(models):

@@ -6,7 +6,8 @@ requests resemble each other: later answers reuse earlier ones). Before a step t
 `propose(slot, k)` for at most k tokens; the runner writes them into the step's `pending` row (a
 `[B, k]` block: the unified step never knows where its drafts came from) and, after the step, feeds
 the committed tokens back with `extend(slot, tokens)`. `finish(slot)` moves a finished request's
-output into the job-wide index. The job-wide index never outlives the job.
+output into the job-wide index. The job-wide index never outlives the job; it starts from earlier
+answers only where the recipe asks (`draft.suffix_history`: a results file).
 
 How a proposal is made (SuffixDecoding, Oliaro et al., NeurIPS 2025, as ArcticInference and vLLM run
 it; their defaults): take the longest suffix of the slot's context (at most `max_depth` tokens, at
@@ -196,17 +197,30 @@ class SuffixIndex:
 
 
 class SuffixProposer:
-    """Per-slot indices over prompt and output, one job-wide index over finished outputs."""
+    """Per-slot indices over prompt and output, one job-wide index over finished outputs. `history`:
+    earlier answers (token ids, oldest first) the job-wide index starts from at every run, asked for
+    with `draft.suffix_history`; without it nothing crosses runs."""
 
-    def __init__(self, slots: int, *, job_tokens: int = JOB_INDEX_TOKENS, **settings) -> None:
+    def __init__(self, slots: int, *, job_tokens: int = JOB_INDEX_TOKENS, history=(), **settings) -> None:
         self.slots, self.job_tokens, self.settings = slots, job_tokens, settings
+        newest: list[list[int]] = []
+        kept = 0
+        for answer in reversed(list(history)):     # the newest answers that fit under the cap
+            kept += len(answer) + 1
+            if kept > job_tokens:
+                break
+            newest.append(list(answer))
+        self.history = newest[::-1]
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything: no slot live, an empty job-wide index (a new run)."""
+        """Forget the run: no slot live, the job-wide index holding the history alone (a new run)."""
         self.requests: list[SuffixIndex | None] = [None] * self.slots
         self.outputs: list[list[int]] = [[] for _ in range(self.slots)]
         self.job = SuffixIndex(max_tokens=self.job_tokens, **self.settings)
+        for answer in self.history:
+            self.job.append(answer)
+            self.job.close()
 
     def admit(self, slot: int, prompt_ids) -> None:
         index = self.requests[slot] = SuffixIndex(**self.settings)

@@ -87,7 +87,7 @@ class HostDraftPolicy:
         proposals (`proposals`: slot -> drafts.suffix.Proposal)."""
         n = len(proposals)
         c = self.calibration()
-        self._offered = {b: p.probs for b, p in proposals.items()}
+        self.offer(proposals)
         total = sum(p.score for p in proposals.values())
         self.gain += GAIN_RATE * (c * total / max(n, 1) - self.gain)
         longest = max((len(p) for p in proposals.values()), default=0)
@@ -104,9 +104,7 @@ class HostDraftPolicy:
             if rate > plain_rate * (1 + margin) and rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
-            for b, p in proposals.items():
-                if len(p) and b not in self._shadows:
-                    self._shadows[b] = (p.tokens, p.probs, 0)
+            self.shadow(proposals)
         else:
             # the slots' texts move on by more than one token: a shadow still matching counts what it
             # matched so far (dropping it uncounted would leave only the refuted ones: c too low)
@@ -116,6 +114,17 @@ class HostDraftPolicy:
             self._shadows.clear()
         self.steps["drafted" if best else "plain"] += 1
         return best
+
+    def offer(self, proposals: dict) -> None:
+        """The proposals this step verifies (set by `choose_host`; a hybrid's, by the slots that took
+        them): `observe_block` calibrates on them."""
+        self._offered = {b: p.probs for b, p in proposals.items()}
+
+    def shadow(self, proposals: dict) -> None:
+        """Proposals this step does not verify: settled against the tokens it commits (`observe_tokens`)."""
+        for b, p in proposals.items():
+            if len(p) and b not in self._shadows:
+                self._shadows[b] = (p.tokens, p.probs, 0)
 
     def cost(self, k: int, width: int) -> float:
         recent = self.costs.get((width, k))

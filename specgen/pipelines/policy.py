@@ -390,6 +390,20 @@ class AdaptivePolicy:
                     tokens[k] += min(expected, cap)
         return {k: tokens[k] / costs[k] for k in costs}
 
+    def expected_accepted(self, slots: Sequence[int], k: int) -> dict[int, float]:
+        """Drafts of a k-token block each slot is expected to accept: sum_{i<=k} prod_{j<=i} a_{b,j}."""
+        job = self.job_rates()
+        expected = {}
+        for b in slots:
+            own = self._slots.get(b)
+            accept = own.rates(job, SLOT_PRIOR_WEIGHT) if own is not None else job
+            total, run = 0.0, 1.0
+            for j in range(min(k, self.k_max)):
+                run *= accept[j]
+                total += run
+            expected[b] = total
+        return expected
+
     # -- the decision -------------------------------------------------------------------------------
 
     def choose(self, slots: Sequence[SlotView], available: set[int] | None = None,

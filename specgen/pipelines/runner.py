@@ -32,6 +32,7 @@ from specgen.kernels.keyed_noise import noise_key_for
 from specgen.pipelines.compiled import StepFunctions
 from specgen.pipelines.host_policy import HostDraftPolicy
 from specgen.pipelines.host_policy import profile as profile_host
+from specgen.pipelines.hybrid_policy import HybridPolicy
 from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy, SlotView
 from specgen.pipelines.prefill import PrefillItem, pack, plan_prefill
 from specgen.pipelines.reasoning import ReasoningMarkers, split, start_state
@@ -156,7 +157,8 @@ class Runner:
                  sampling: SamplingTensors, seed: int, device: torch.device, dtype: torch.dtype,
                  compile: bool = False, overlap: bool | None = None, prefill_chunk: int | None = None,
                  prefill_budget: int | None = None, reasoning: ReasoningMarkers | None = None,
-                 policy: AdaptivePolicy | FixedPolicy | HostDraftPolicy | None = None, proposer=None) -> None:
+                 policy: AdaptivePolicy | FixedPolicy | HostDraftPolicy | HybridPolicy | None = None,
+                 proposer=None) -> None:
         self.unified = step
         # the step's relaxed acceptance and the slots' start states must read the same markers
         relaxed = step.relaxed.markers if step.relaxed is not None else None
@@ -168,16 +170,19 @@ class Runner:
         self.sampling = sampling
         self.seed = seed
         self.device = device
-        self.policy = policy if policy is not None else FixedPolicy(step.k)
+        # Drafts made on the host (a `drafts.suffix.SuffixProposer`, with a step built with host_k, or
+        # beside a draft model with host_drafts: a hybrid) continue the tokens committed so far.
+        self.proposer = proposer
+        self.hybrid = proposer is not None and step.draft is not None
+        assert not self.hybrid or step.host_drafts, "a hybrid's step takes host drafts (host_drafts=True)"
+        self._hybrids: dict[int, HybridPolicy] = {}     # a model policy's hybrid (see _bound)
+        self.policy = self._bound(policy if policy is not None else FixedPolicy(step.k))
         self.alloc_len = max_seq_len + step.scratch_len()
         self.caches = step.new_caches(batch_size, self.alloc_len, dtype, device)
         self.state = step.new_state(batch_size, device, dtype)
         self.lag = int(device.type == "cuda" if overlap is None else overlap)
-        # Drafts made on the host (a `drafts.suffix.SuffixProposer`, with a step built with host_k)
-        # continue the tokens committed so far: a step is issued only once the previous one is read.
-        self.proposer = proposer
         if proposer is not None:
-            self.lag = 0
+            self.lag = 0      # a step's host drafts need the previous step's tokens: issued once it is read
         kind = "cuda" if device.type == "cuda" else "cpu"
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK[kind]
         self.prefill_budget = max(prefill_budget or PREFILL_BUDGET[kind], self.prefill_chunk)
@@ -225,9 +230,12 @@ class Runner:
         """Compile (and capture) what the run needs up front; seconds spent. Idempotent. A fixed k gets
         its variant compiled (its draft and the verify of k + 1 rows); an adaptive policy gets the
         plain step, every variant's step time (measured or estimated, profile.py) and the variant it
-        expects to use where the job repays compiling it. A policy swapped in later (`use_policy`)
-        is prepared the same way."""
+        expects to use where the job repays compiling it; host proposals' `auto` gets the plain step
+        and K's estimated cost (host_policy.py). A hybrid's parts are prepared each as alone. A policy
+        swapped in later (`use_policy`) is prepared the same way."""
         seconds = 0.0
+        hybrid = self.policy if isinstance(self.policy, HybridPolicy) else None
+        policy = hybrid.model if hybrid is not None else self.policy
         if not self.warmed:
             self.warmed = True
             batches = []
@@ -240,40 +248,57 @@ class Runner:
                     key_index = self.functions.key_index(self.kv_bucket(call.width))
                     batches.append(pack(call, self.alloc_len, key_index, self.device))
             # a fixed k > 0 never runs the plain step; an adaptive policy starts from it (profile.py)
-            seconds += self._compile_variant(self.policy.k if isinstance(self.policy, FixedPolicy) else 0,
-                                             batches)
+            seconds += self._compile_variant(policy.k if isinstance(policy, FixedPolicy) else 0, batches)
         if any(p is self.policy for p in self._prepared):
             return seconds
         self._prepared.append(self.policy)
-        if isinstance(self.policy, AdaptivePolicy):
+        if isinstance(policy, AdaptivePolicy):
             from specgen.pipelines.profile import calibrate
 
-            spent = calibrate(self.policy, self.functions, self.kv_bucket(0), self.batch_size)
+            spent = calibrate(policy, self.functions, self.kv_bucket(0), self.batch_size)
             seconds += spent if self.compiled else 0.0     # eager: profiling is part of the run
-        elif isinstance(self.policy, HostDraftPolicy):
+        if isinstance(policy, HostDraftPolicy) or (hybrid is not None and hybrid.adaptive):
             from specgen.pipelines.profile import MIN_COMPILE_SECONDS, cold_compile_seconds
 
             cold = max(cold_compile_seconds(self.functions, ("verify", 1)), MIN_COMPILE_SECONDS)
-            spent = profile_host(self.policy, self.functions, self.kv_bucket(0), self.batch_size, cold)
+            host = hybrid.host if hybrid is not None else policy
+            spent = profile_host(host, self.functions, self.kv_bucket(0), self.batch_size, cold)
             seconds += spent if self.compiled else 0.0
-        else:
-            k = self.policy.k
+        if isinstance(policy, FixedPolicy):
+            k = policy.k
             if not (self.functions.verify_ready(1) if k == 0 else k in self.functions.compiled_ks):
                 seconds += self._compile_variant(k, [])
         return seconds
 
     def _compile_variant(self, k: int, prefill_batches: list) -> float:
-        """Compile variant k before the run (k = 0: the plain step; with host drafts a fixed k runs
-        plain steps too, wherever no slot has a proposal); seconds spent."""
+        """Compile variant k before the run (k = 0: the plain step; with host drafts alone a fixed k
+        runs plain steps too, wherever no slot has a proposal); seconds spent."""
         return self.functions.warm_up(self.kv_bucket(0), prefill_batches, (k,) if k else (),
-                                      plain=not k or self.proposer is not None)
+                                      plain=not k or (self.proposer is not None and not self.hybrid))
 
-    def use_policy(self, policy: AdaptivePolicy | FixedPolicy) -> None:
+    def use_policy(self, policy: AdaptivePolicy | FixedPolicy | HostDraftPolicy | HybridPolicy) -> None:
         """Choose k with `policy` from the next run on (bench: fixed K and auto over one compiled
         step). Its k never exceeds the step's K."""
         assert (policy.k if isinstance(policy, FixedPolicy) else policy.k_max) <= self.unified.k
-        assert self.proposer is None or not isinstance(policy, AdaptivePolicy), "host drafts: HostDraftPolicy"
-        self.policy = policy
+        assert self.proposer is None or self.hybrid or not isinstance(policy, AdaptivePolicy), \
+            "host drafts alone: HostDraftPolicy"
+        self.policy = self._bound(policy)
+
+    def _bound(self, policy):
+        """A hybrid runner's policy is a HybridPolicy: a model policy given alone (bench's pinned K on
+        a shared runner, tests) gets the host part beside it, once per policy. A pinned K's acceptance
+        estimate starts from the prior of the runner's first hybrid (the job's card), else a neutral one."""
+        if not self.hybrid or isinstance(policy, HybridPolicy):
+            if isinstance(policy, HybridPolicy):
+                self._hybrids.setdefault(id(policy.model), policy)
+            return policy
+        bound = self._hybrids.get(id(policy))
+        if bound is None:
+            k_max = self.unified.k
+            first = next(iter(self._hybrids.values()), None)
+            estimator = AdaptivePolicy(k_max, list(first.estimator.prior) if first is not None else [0.5] * k_max)
+            bound = self._hybrids[id(policy)] = HybridPolicy(policy, HostDraftPolicy(k_max), estimator)
+        return bound
 
     def close(self) -> None:
         """Release compiled code and CUDA-graph memory (several runners in one process)."""
@@ -363,21 +388,24 @@ class Runner:
         # (pipelines/policy.py): the verify decides the tokens, and only the compiled graph computes
         # them exactly as the plain step does
         k = self.policy.choose(views, functions.compiled_ks, self.width)
-        drafted = None
+        drafted, host_only = None, False
         if self.proposer is not None:
-            k, drafted = self._host_drafts(live, k)
+            k, drafted, host_only = self._host_drafts(live, k)
         kv_len = self.kv_bucket(max(lengths[b] for b in live), k)
         steady = True
         compiled_before = functions.compiled_seconds()
-        if k > 0:
+        if host_only:
+            # the host's drafts are in `pending`: the verify of k + 1 rows (a draft model, if any, does
+            # not run: it absorbs these positions at its next step, from the ring the verify writes)
+            out = functions.verify(kv_len, k + 1)
+        elif k > 0:
             window = max(self.gaps[b] for b in live)
             out = functions.step(kv_len, window, k)
             # a draft catching up on plain steps' positions (after a run of k = 0) costs more than
             # drafting does in a run of k (measured: 10.5 ms for 53 positions against 1.9 for 2, EAGLE-3
             # on SmolLM2, fp32): a one-off, not the variant's cost, however short the run (the policy
             # samples a variant's cost where its step follows another's: those were catch-ups).
-            # Host drafts have nothing to catch up on.
-            steady = drafted is not None or window <= self.last_k + 1
+            steady = window <= self.last_k + 1
             for b in range(self.batch_size):
                 self.gaps[b] = 0
         else:
@@ -394,22 +422,43 @@ class Runner:
         totals.k_steps[k] += 1
         return k, (k if steady else None)
 
-    def _host_drafts(self, live: list[int], k: int) -> tuple[int, dict[int, int]]:
-        """The host's proposals of at most k tokens per live slot; the policy's k for them (0: a plain
-        step) and, for k > 0, the proposals written into `pending[:, 1:k+1]` (a shorter one padded:
-        its extra rows are verified like any draft, and a pad the target happens to choose is
-        kept, losslessly). Returns k and how many tokens each slot proposed."""
+    def _host_drafts(self, live: list[int], k: int) -> tuple[int, dict[int, int], bool]:
+        """The host's proposals for the live slots, and what the step does with them. Without a draft
+        model: the policy's k for them (0: a plain step), written into `pending[:, 1:k+1]` (a shorter
+        one padded: its extra rows are verified like any draft, and a pad the target happens to
+        choose is kept, losslessly). A hybrid's plan (hybrid_policy.py) may do the same (host_only),
+        or run the model's step of k drafts with some slots' rows replaced by their proposals
+        (`host_drafts` / `host_use`, merged inside the compiled step). Returns k, how many tokens
+        each slot's drafts hold, and whether the step is the host's alone."""
+        if not self.hybrid:
+            if k == 0:
+                return 0, {}, False
+            proposals = {b: self.proposer.propose(b, k) for b in live}
+            k = self.policy.choose_host(proposals, self.width, self.functions.compiled_ks, self.compiled)
+            if k == 0:
+                return 0, {}, False
+            self.state.pending[:, 1:k + 1].copy_(self._block(proposals, k, k))
+            return k, {b: min(k, len(p)) for b, p in proposals.items()}, True
+        proposals = {b: self.proposer.propose(b, self.unified.k) for b in live}
+        ready = {j for j in range(1, self.unified.k + 1) if self.functions.verify_ready(j + 1)}
+        plan = self.policy.decide(k, proposals, self.width, ready, self.compiled)
+        k = plan.k
         if k == 0:
-            return 0, {}
-        proposals = {b: self.proposer.propose(b, k) for b in live}
-        k = self.policy.choose_host(proposals, self.width, self.functions.compiled_ks, self.compiled)
-        if k == 0:
-            return 0, {}
-        block = [[0] * k for _ in range(self.batch_size)]
+            return 0, {}, False
+        used = {b: p for b, p in proposals.items() if b in plan.use}
+        if plan.host_only:
+            self.state.pending[:, 1:k + 1].copy_(self._block(used, k, k))
+        else:
+            self.state.host_drafts.copy_(self._block(used, k, self.unified.k))
+            self.state.host_use.copy_(torch.tensor([b in plan.use for b in range(self.batch_size)]))
+        return k, {b: min(k, len(used[b])) if b in used else 0 if plan.host_only else k for b in live}, plan.host_only
+
+    def _block(self, proposals: dict, k: int, width: int) -> torch.Tensor:
+        """[B, width] int64: each slot's first k proposed tokens, padded with 0."""
+        block = [[0] * width for _ in range(self.batch_size)]
         for b, proposal in proposals.items():
             block[b][: min(k, len(proposal))] = proposal.tokens[:k]
-        self.state.pending[:, 1:k + 1].copy_(torch.tensor(block))
-        return k, {b: min(k, len(p)) for b, p in proposals.items()}
+        return torch.tensor(block)
 
     def _narrow(self, slots: list[_Slot | None], lengths: list[int]) -> None:
         """In the tail of a run (no request left to admit), once at most half the slots are live,

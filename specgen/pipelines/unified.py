@@ -12,7 +12,10 @@ Contract (DESIGN.md sections 3 and 7). Device state lives in one `StepState` (st
   inside spans alone (pipelines/relaxed.py);
 - with a draft: `draft_len [B]`, the positions the draft has absorbed (its cache holds entries for
   positions < draft_len), and a ring of the last `ring_len` positions: `features [B, R, D]` (the
-  target features the draft reads, by position % R) and `tokens [B, R]` (the committed tokens).
+  target features the draft reads, by position % R) and `tokens [B, R]` (the committed tokens);
+- a hybrid (a draft model and host proposals, `host_drafts=True`): `host_drafts [B, K]` and
+  `host_use [B]`, written by the host before a step: the slots marked take the host's proposal
+  instead of the model's block (the draft still runs for every slot: it keeps absorbing).
 
 One step = `draft(k)` then `verify(T = k + 1)`; the host picks k per step (pipelines/policy.py):
 - `verify(state, caches, sampling, key_index, rows)`: merge -> target -> verify -> commit over the
@@ -27,7 +30,8 @@ One step = `draft(k)` then `verify(T = k + 1)`; the host picks k per step (pipel
 - `draft(state, caches, sampling, key_index, window, k)`: the draft first absorbs every committed
   position since its last call (entries read from the ring: after a step of k drafts, the k + 1
   verified positions; after plain steps, all the positions they skipped), then proposes k tokens into
-  `pending[:, 1:k+1]`. One compiled variant per k; `window` is an arange whose length W bounds the
+  `pending[:, 1:k+1]` (a hybrid's marked slots: the host's proposal instead, merged in the same
+  graph). One compiled variant per k; `window` is an arange whose length W bounds the
   positions any slot has to absorb (a dynamic size). A slot never absorbs more than
   `max_window` positions back: the ring holds no more (the policy's probes keep gaps shorter).
 Inactive slots run along (static shapes), compute at their first positions (scratch), and never
@@ -72,10 +76,12 @@ class StepState:
     draft_len: torch.Tensor | None = None   # [B] int64: positions the draft has absorbed
     features: torch.Tensor | None = None    # [B, R, D] target features by position % R
     tokens: torch.Tensor | None = None      # [B, R] int64 committed tokens by position % R
+    host_drafts: torch.Tensor | None = None  # [B, K] int64: a hybrid's host proposals (written before a step)
+    host_use: torch.Tensor | None = None     # [B] bool: ... and the slots that take them over the model's
 
     def _fields(self) -> tuple[torch.Tensor | None, ...]:
         return (self.pending, self.cache_lens, self.active, self.limit, self.noise_key, self.reasoning,
-                self.draft_probs, self.draft_len, self.features, self.tokens)
+                self.draft_probs, self.draft_len, self.features, self.tokens, self.host_drafts, self.host_use)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self._fields() if t is not None]
@@ -119,12 +125,16 @@ class UnifiedStep:
     `relaxed`: relaxed acceptance inside reasoning spans (lossy, opt-in; pipelines/relaxed.py)."""
 
     def __init__(self, target, draft=None, *, stochastic_drafts: bool = False, use_kernel: bool = False,
-                 num_sms: int = 1, relaxed: RelaxedAcceptance | None = None, host_k: int = 0) -> None:
+                 num_sms: int = 1, relaxed: RelaxedAcceptance | None = None, host_k: int = 0,
+                 host_drafts: bool = False) -> None:
         self.target = target
         self.draft = draft
         # K_max. `host_k`: without a draft model, the host writes up to host_k drafts into `pending`
         # before each verify (drafts/suffix.py); the step never knows where its drafts came from.
         self.k = draft.num_speculative_tokens if draft is not None else host_k
+        # beside a draft model (a hybrid), per slot and step: the model's block or the host's proposal
+        self.host_drafts = host_drafts and draft is not None
+        assert not (self.host_drafts and stochastic_drafts), "host proposals carry no distribution"
         self.stochastic = stochastic_drafts and draft is not None
         self.relaxed = relaxed if draft is not None else None
         self.capture = tuple(draft.aux_layer_ids) if draft is not None else ()
@@ -153,6 +163,9 @@ class UnifiedStep:
                     "features": torch.zeros(slots, self.ring_len, width, dtype=self.draft_dtype or dtype,
                                             device=device),
                     "tokens": torch.zeros(slots, self.ring_len, dtype=torch.long, device=device)}
+        if self.host_drafts:
+            ring.update(host_drafts=torch.zeros(slots, self.k, dtype=torch.long, device=device),
+                        host_use=flags.clone())
         return StepState(pending=torch.zeros(slots, self.k + 1, dtype=torch.long, device=device),
                          cache_lens=zeros.clone(), active=flags.clone(), limit=zeros.clone(),
                          noise_key=zeros.clone(), reasoning=flags.clone(), draft_probs=probs, **ring)
@@ -208,6 +221,8 @@ class UnifiedStep:
         attn = self.attention(positions, None, key_index)
         drafts, probs = self.draft.propose(features, next_tokens, positions, last, caches.draft, attn,
                                            self._pick(sampling, state.noise_key), k)
+        if state.host_use is not None:
+            drafts = torch.where(state.host_use.unsqueeze(1), state.host_drafts[:, :k], drafts)
         state.pending[:, 1:k + 1].copy_(drafts)
         if probs is not None:
             state.draft_probs[:, :k].copy_(probs)

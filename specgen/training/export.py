@@ -67,7 +67,7 @@ def _acceptance_table(summary) -> tuple[str, dict]:
 
 def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: torch.Tensor, config: dict,
                data: dict) -> None:
-    spec, method = recipe.train, recipe.draft.method
+    spec, method = recipe.train, recipe.draft.model_method
     table, headline = _acceptance_table(summary)
     params = sum(t.numel() for t in _tensors(folder).values())
     size_mb = (folder / "model.safetensors").stat().st_size / 1e6

@@ -109,7 +109,7 @@ def _draft_k(method: str, spec) -> int:
 
 def _state_folder(recipe: Recipe, target_key: str) -> Path:
     train = {k: v for k, v in asdict(recipe.train).items() if not k.startswith("eval")}
-    parts = [str(Path(recipe.draft.model).resolve()), recipe.draft.method, target_key, train, recipe.chat_template]
+    parts = [str(Path(recipe.draft.model).resolve()), recipe.draft.model_method, target_key, train, recipe.chat_template]
     if recipe.chat_template_kwargs:    # only when set: runs started without them keep their key
         parts.append(recipe.chat_template_kwargs)
     key = json.dumps(parts, sort_keys=True)
@@ -121,7 +121,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
                 on_data_progress: Callable | None = None) -> TrainSummary:
     from specgen.job import JobError, resolve
 
-    spec, method = recipe.train, recipe.draft.method
+    spec, method = recipe.train, recipe.draft.model_method
     status = on_status or (lambda line: None)
     output = Path(recipe.draft.model)
     try:

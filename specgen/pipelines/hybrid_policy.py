@@ -1,0 +1,133 @@
+"""A draft model and host proposals side by side (`draft.method: eagle3+suffix`): per step, per slot, the
+block expected to accept more.
+
+Contract: the runner asks `choose(slots, available, width)` (the model's policy answers: k for its
+draft, 0 = a plain step), then `decide(k, proposals, width, ready, compiled)` with every live slot's
+host proposal (drafts.suffix.Proposal, up to K tokens), and gets a `Plan`:
+- `k`, and `host_only`: a step of the host's proposals alone (the verify of k + 1 rows; the draft
+  does not run and catches up on these positions at its next step), or the model's step of k drafts;
+- `use`: the slots whose k draft rows are the host's proposal (padded), not the model's block.
+It reports as it does to every policy (`observe_block`, `observe_step`, `observe_tokens`); each part
+hears what concerns it: the model's acceptance only from blocks it drafted, the host's calibration
+only from proposals verified or settled as shadows, each step time only to the policy whose step it
+was.
+
+Per slot, in a model step of k drafts, the host's proposal replaces the model's block where
+
+    c * (the proposal's summed prefix probabilities up to k)  >  the model's expected accepted drafts at k
+
+(c: the host policy's calibration, accepted over predicted; the model's expectation: its per-slot
+acceptance over the job's, pipelines/policy.py). The draft runs for every slot either way, so the
+choice costs nothing: it only picks the likelier block. With `num_speculative_tokens: auto` the host
+may also take a whole step without the draft (its rate against the plain step's, as suffix alone
+decides, pipelines/host_policy.py): chosen where its rate beats the model step's, all slots' best
+blocks counted, at each variant's measured cost. A pinned K always runs the model's step of K.
+Nothing here touches a tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specgen.pipelines.host_policy import HostDraftPolicy
+from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy
+
+
+@dataclass(slots=True)
+class Plan:
+    k: int
+    host_only: bool = False
+    use: set[int] = field(default_factory=set)      # slots whose drafts are the host's proposal
+
+
+class HybridPolicy:
+    def __init__(self, model: AdaptivePolicy | FixedPolicy, host: HostDraftPolicy,
+                 estimator: AdaptivePolicy | None = None) -> None:
+        """`model`: the draft model's policy; `host`: the host proposals' (its calibration, and with
+        an adaptive model its step costs); `estimator`: the model's acceptance where `model` keeps
+        none (a pinned K)."""
+        self.model, self.host = model, host
+        self.adaptive = isinstance(model, AdaptivePolicy)
+        self.estimator = model if self.adaptive else estimator
+        assert self.estimator is not None, "a pinned K needs an acceptance estimator"
+        self.k = self.k_max = model.k_max if self.adaptive else model.k
+        self.plan = Plan(0)
+        self.steps = {"plain": 0, "model": 0, "mixed": 0, "host": 0}   # mixed: some slots took the host's
+        self.blocks = {"model": 0, "host": 0}
+
+    # -- what the runner asks -----------------------------------------------------------------------
+
+    def choose(self, slots: Sequence, available: set[int] | None = None, width: int | None = None) -> int:
+        return self.model.choose(slots, available, width)
+
+    def decide(self, k: int, proposals: dict, width: int, ready: set[int], compiled: bool) -> Plan:
+        """This step's plan, given the model policy's k and each live slot's proposal (`ready`: the
+        host-only variants that run without compiling, as HostDraftPolicy.choose_host takes them)."""
+        host, n = self.host, len(proposals)
+        c = host.calibration()
+        k_host = host.choose_host(proposals, width, ready, compiled) if self.adaptive else 0
+        plan = Plan(k)
+        if k > 0:
+            model = self.estimator.expected_accepted(list(proposals), k)
+            suffix = {b: c * sum(p.probs[:k]) for b, p in proposals.items()}
+            plan.use = {b for b, p in proposals.items() if len(p) and suffix[b] > model[b]}
+            if k_host:
+                model_cost, host_cost = self.model.cost(k, width), host.cost(k_host, width)
+                model_rate = (n + sum(max(model[b], suffix[b]) for b in proposals)) / model_cost \
+                    if model_cost else 0.0
+                host_rate = (n + c * sum(sum(p.probs[:k_host]) for p in proposals.values())) / host_cost
+                if host_rate > model_rate:
+                    plan = Plan(k_host, host_only=True)
+        elif k_host:
+            plan = Plan(k_host, host_only=True)
+        if plan.host_only:
+            plan.use = {b for b, p in proposals.items() if len(p)}
+        # the host's calibration learns from the proposals verified, and from the others as shadows
+        host.offer({b: p for b, p in proposals.items() if b in plan.use})
+        host.shadow({b: p for b, p in proposals.items() if b not in plan.use})
+        self.steps["host" if plan.host_only else "plain" if plan.k == 0 else
+                   "mixed" if plan.use else "model"] += 1
+        self.plan = plan
+        return plan
+
+    # -- what the runner reports --------------------------------------------------------------------
+
+    def observe_block(self, slot: int, k: int, accepted: int) -> None:
+        plan = self.plan
+        if k > 0 and slot in plan.use:
+            self.blocks["host"] += 1
+            self.host.observe_block(slot, k, accepted)
+            self._model_heard(slot, 0, accepted)        # not the model's block: its text moved on
+        else:
+            self.blocks["model"] += k > 0 and not plan.host_only
+            self.host.observe_block(slot, 0, accepted)
+            self._model_heard(slot, 0 if plan.host_only else k, accepted)
+
+    def _model_heard(self, slot: int, k: int, accepted: int) -> None:
+        self.model.observe_block(slot, k, accepted)
+        if self.estimator is not self.model:
+            self.estimator.observe_block(slot, k, accepted)
+
+    def observe_step(self, k: int, width: int, seconds: float) -> None:
+        if self.plan.host_only:
+            self.host.observe_step(k, width, seconds)
+            return
+        self.model.observe_step(k, width, seconds)
+        if k == 0:
+            self.host.observe_step(0, width, seconds)
+
+    def observe_tokens(self, slot: int, tokens) -> None:
+        self.host.observe_tokens(slot, tokens)
+
+    def admit(self, slot: int) -> None:
+        for part in {id(p): p for p in (self.model, self.host, self.estimator)}.values():
+            part.admit(slot)
+
+    def move(self, src: int, dst: int) -> None:
+        for part in {id(p): p for p in (self.model, self.host, self.estimator)}.values():
+            part.move(src, dst)
+
+    def summary(self) -> dict:
+        return {**self.model.summary(), "hybrid": {"steps": dict(self.steps), "blocks": dict(self.blocks),
+                                                   "host": self.host.summary()}}

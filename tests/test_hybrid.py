@@ -1,0 +1,182 @@
+"""Hybrid drafts (`eagle3+suffix`, `mtp+suffix`, `dflash+suffix`): a draft model and host proposals in one step.
+
+Held to what every draft is held to: greedy and seeded sampled output equal to plain decoding's, for
+each model draft beside suffix proposals (Llama GQA, DeepSeek-V3 MLA + MoE, Kimi K2.5), eager and
+compiled (the merge of the host's rows runs inside the compiled step), with both kinds of blocks
+really verified; a job whose answers repeat reaches a long acceptance; and the policy's per-slot
+choice, its host-only steps and what each part learns, on fixed numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_deepseek_pairings import recipe as pairing_recipe
+from test_deepseek_pairings import write_pairings
+from test_speculative import models, prompts, run, runner_for  # noqa: F401 (models: a fixture)
+from test_suffix import plain_recipe, proposal, repeated_prompts
+
+from specgen.pipelines.host_policy import HostDraftPolicy
+from specgen.pipelines.hybrid_policy import HybridPolicy
+from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy
+from specgen.pipelines.runner import Request
+from specgen.recipe import RecipeError, recipe_from_dict
+from specgen.registry import UnsupportedError, check_pairing
+
+
+def hybrid_recipe(target, draft, k=3, batch=3, compile=False, method="eagle3+suffix", **sampling):
+    return recipe_from_dict({
+        "target": {"model": str(target), "dtype": "float32"},
+        "draft": {"method": method, "model": str(draft), "num_speculative_tokens": k},
+        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
+        "runtime": {"device": "cpu", "batch_size": batch, "max_seq_len": 96, "compile": compile},
+        "chat_template": False,
+    })
+
+
+def fixed_costs(monkeypatch, plain=0.010, per_row=0.0004):
+    """Both policies' step costs from fixed figures (a model step: its rows and a draft pass; a host
+    step: its rows), not this machine's timings."""
+    monkeypatch.setattr(HostDraftPolicy, "cost", lambda self, k, width: plain + per_row * k)
+    monkeypatch.setattr(AdaptivePolicy, "cost", lambda self, k, width: plain + (2 * per_row) * k + 0.002 * (k > 0))
+
+
+def both_kinds_verified(runner) -> None:
+    blocks = runner.policy.blocks
+    assert blocks["host"] > 0 and blocks["model"] > 0, runner.policy.summary()
+
+
+@pytest.mark.parametrize(("batch", "k"), [(1, 3), (3, 3), (3, "auto")])
+def test_greedy_hybrid_equals_greedy_plain(models, batch, k, monkeypatch):
+    target, draft = models
+    fixed_costs(monkeypatch)
+    ids = repeated_prompts()
+    plain, _ = run(runner_for(plain_recipe(target, batch=batch)), ids)
+    runner = runner_for(hybrid_recipe(target, draft, k=k, batch=batch))
+    assert runner.hybrid and runner.unified.host_drafts and isinstance(runner.policy, HybridPolicy)
+    got, totals = run(runner, ids)
+    assert got == plain
+    both_kinds_verified(runner)
+    histogram = totals.spec.acceptance_histogram
+    assert histogram[0] > 0 and histogram[-1] > 0, histogram
+    if k == "auto":        # some steps were the host's alone (the draft skipped, then caught up)
+        assert runner.policy.steps["host"] > 0, runner.policy.summary()
+
+
+def test_seeded_sampled_hybrid_equals_seeded_plain(models):
+    target, draft = models
+    ids = repeated_prompts()
+    sampling = {"temperature": 0.5, "top_p": 0.9}
+    plain, _ = run(runner_for(plain_recipe(target, **sampling)), ids)
+    assert plain != run(runner_for(plain_recipe(target)), ids)[0]
+    runner = runner_for(hybrid_recipe(target, draft, **sampling))
+    got, totals = run(runner, ids)
+    assert got == plain
+    both_kinds_verified(runner)
+    assert totals.spec.num_accepted_tokens > 0
+
+
+def test_a_hybrid_job_whose_answers_repeat_accepts_long_blocks(models):
+    """Batch 1: the second answer is drafted from the first by the suffix part, whatever the model's
+    (random) draft proposes."""
+    target, draft = models
+    prompt = prompts(lengths=(9,))[0]
+    runner = runner_for(hybrid_recipe(target, draft, k=4, batch=1))
+    done = {}
+    runner.run([Request(f"r{i}", prompt, 40, request_key=i) for i in range(2)],
+               lambda c: done.__setitem__(c.id, (c.token_ids, c.spec)))
+    (first, _), (second, spec) = done["r0"], done["r1"]
+    assert second == first
+    assert spec.mean_acceptance_length > 3.5, spec.acceptance_histogram
+
+
+def test_compiled_hybrid_steps_keep_the_plain_output(models):
+    """The host's rows are merged into the model's block inside the compiled step (frozen, the CPU's
+    GEMM template): the output stays the plain step's."""
+    target, draft = models
+    ids = repeated_prompts()[:6]
+    plain, _ = run(runner_for(plain_recipe(target, batch=2)), ids)
+    runner = runner_for(hybrid_recipe(target, draft, k=2, batch=2, compile=True))
+    got, totals = run(runner, ids)
+    assert got == plain
+    assert runner.compiled and runner.functions.compiled_ks == {2}
+    both_kinds_verified(runner)
+    assert totals.spec.acceptance_histogram[2] > 0, totals.spec.acceptance_histogram
+
+
+@pytest.fixture(scope="module")
+def pairings(tmp_path_factory):
+    return write_pairings(tmp_path_factory.mktemp("hybrid-pairs"), 96)
+
+
+@pytest.mark.parametrize(("name", "sampled"), [("deepseek-mtp", False), ("deepseek-mtp", True),
+                                               ("kimi-dflash", False), ("deepseek-eagle3", False)])
+def test_each_model_draft_beside_suffix_keeps_the_plain_output(pairings, name, sampled):
+    target, method, draft, k = pairings[name]
+    sampling = {"temperature": 0.1} if sampled else {}     # cold enough to repeat itself
+    ids = repeated_prompts()
+    plain, _ = run(runner_for(pairing_recipe(target, **sampling)), ids, max_tokens=20)
+    runner = runner_for(pairing_recipe(target, f"{method}+suffix", draft, k, **sampling))
+    got, totals = run(runner, ids, max_tokens=20)
+    assert got == plain
+    both_kinds_verified(runner)
+    assert totals.spec.num_accepted_tokens > 0
+
+
+def test_hybrid_recipes_name_both_parts():
+    recipe = recipe_from_dict({"target": {"model": "x"},
+                               "draft": {"method": "mtp+suffix", "num_speculative_tokens": "auto"}})
+    assert (recipe.draft.model_method, recipe.draft.host_method) == ("mtp", "suffix")
+    assert recipe.draft.has_model and recipe.draft.k_max == 4
+    with pytest.raises(RecipeError, match="draft.model"):      # EAGLE-3's checkpoint is still needed
+        recipe_from_dict({"target": {"model": "x"}, "draft": {"method": "eagle3+suffix"}})
+    with pytest.raises(RecipeError, match="draft.stochastic"):
+        recipe_from_dict({"target": {"model": "x"},
+                          "draft": {"method": "eagle3+suffix", "model": "d", "stochastic": True}})
+    check_pairing("KimiK25ForConditionalGeneration", "dflash+suffix")
+    with pytest.raises(UnsupportedError, match="eagle3\\+suffix"):     # Kimi ships no MTP layer
+        check_pairing("KimiK25ForConditionalGeneration", "mtp+suffix")
+
+
+# ------------------------------------------------------------------------------------------ the policy
+
+
+def hybrid_policy(adaptive: bool, acceptance: float = 0.5, calibration=(10.0, 7.0)) -> HybridPolicy:
+    k = 3
+    estimator = AdaptivePolicy(k, [acceptance] * k)
+    model = estimator if adaptive else FixedPolicy(k)
+    host = HostDraftPolicy(k)
+    host.predicted, host.accepted = calibration
+    return HybridPolicy(model, host, None if adaptive else estimator)
+
+
+def test_each_slot_takes_the_block_expected_to_accept_more():
+    policy = hybrid_policy(adaptive=False)
+    # the model expects 0.5 + 0.25 + 0.125 = 0.875 drafts; the host's c = 0.7 times its summed probs
+    proposals = {0: proposal(0.9, 0.8, 0.7), 1: proposal(0.4, 0.3), 2: proposal()}
+    plan = policy.decide(3, proposals, 3, set(), compiled=False)
+    assert (plan.k, plan.host_only, plan.use) == (3, False, {0})
+    # slot 0 took the host's block: the host calibrates on it, the model's acceptance hears nothing
+    before = policy.estimator.job_rates()
+    policy.observe_block(0, 3, 3)
+    assert policy.estimator.job_rates() == before and policy.host.verified == pytest.approx([2.4, 3.0])
+    policy.observe_block(1, 3, 0)
+    assert policy.estimator.job_rates()[0] < before[0]
+    assert policy.blocks == {"host": 1, "model": 1}
+
+
+def test_auto_skips_the_draft_where_the_host_alone_pays_more(monkeypatch):
+    fixed_costs(monkeypatch)
+    policy = hybrid_policy(adaptive=True, acceptance=0.3)
+    strong = {0: proposal(0.95, 0.9, 0.85), 1: proposal(0.9, 0.9, 0.9)}
+    plan = policy.decide(2, strong, 2, {3}, compiled=False)
+    assert plan.host_only and plan.k == 3 and plan.use == {0, 1}
+    # a host step's time is the host's cost; the model's costs hear nothing of it
+    seen = []
+    monkeypatch.setattr(AdaptivePolicy, "observe_step", lambda self, k, w, s: seen.append(k))
+    policy.observe_step(3, 2, 0.02)
+    assert seen == [] and list(policy.host.costs) == [(2, 3)]
+    # where no proposal is worth its rows, the model's step runs as its policy chose
+    weak = {0: proposal(0.2), 1: proposal()}
+    plan = policy.decide(2, weak, 2, {3}, compiled=False)
+    assert (plan.k, plan.host_only, plan.use) == (2, False, set())
+    assert policy.steps == {"plain": 0, "model": 1, "mixed": 0, "host": 1}
