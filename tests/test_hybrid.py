@@ -180,3 +180,15 @@ def test_auto_skips_the_draft_where_the_host_alone_pays_more(monkeypatch):
     plan = policy.decide(2, weak, 2, {3}, compiled=False)
     assert (plan.k, plan.host_only, plan.use) == (2, False, set())
     assert policy.steps == {"plain": 0, "model": 1, "mixed": 0, "host": 1}
+
+
+def test_where_the_model_runs_plain_a_compiled_model_step_carries_the_host_blocks(monkeypatch):
+    fixed_costs(monkeypatch)
+    policy = hybrid_policy(adaptive=True, acceptance=0.05)
+    strong = {0: proposal(0.95, 0.9, 0.85), 1: proposal()}
+    # no host-only variant compiled (nor worth compiling: no estimate), the model's K = 3 is
+    plan = policy.decide(0, strong, 2, set(), compiled=True, model_ready={3})
+    assert (plan.k, plan.host_only, plan.use) == (3, False, {0})
+    # without a compiled model step, or with proposals too weak for its cost: plain
+    assert policy.decide(0, strong, 2, set(), compiled=True).k == 0
+    assert policy.decide(0, {0: proposal(0.3), 1: proposal()}, 2, set(), compiled=True, model_ready={3}).k == 0

@@ -51,6 +51,11 @@ MARGIN_PER_COST = 0.1
 VERIFIED_ENOUGH = 20.0             # predicted tokens of verified blocks before c is theirs alone
 
 
+def margin(cost: float, plain_cost: float) -> float:
+    """What a drafted step's rate must beat plain decoding's by, relative (see MIN_GAIN)."""
+    return MIN_GAIN + MARGIN_PER_COST * max(0.0, cost / plain_cost - 1)
+
+
 class HostDraftPolicy:
     def __init__(self, k_max: int, *, horizon_tokens: int | None = None) -> None:
         self.k = self.k_max = k_max
@@ -100,8 +105,7 @@ class HostDraftPolicy:
             expected = sum(sum(p.probs[:k]) for p in proposals.values())
             cost = self.cost(k, width)
             rate = (n + c * expected) / cost
-            margin = MIN_GAIN + MARGIN_PER_COST * max(0.0, cost / plain_cost - 1)
-            if rate > plain_rate * (1 + margin) and rate > best_rate:
+            if rate > plain_rate * (1 + margin(cost, plain_cost)) and rate > best_rate:
                 best, best_rate = k, rate
         if best == 0:
             self.shadow(proposals)
@@ -195,6 +199,7 @@ class HostDraftPolicy:
     def summary(self) -> dict:
         return {"policy": "auto", "drafts": "host", "k_max": self.k_max,
                 "calibration": round(self.calibration(), 3), "steps": dict(self.steps),
+                "compile_estimate_s": round(self.compile_estimate, 1) if self.compile_estimate else None,
                 "step_ms": {f"{w}x{k}": round(1e3 * self.cost(k, w), 2) for (w, k) in sorted(self.costs)}}
 
 

@@ -21,7 +21,10 @@ acceptance over the job's, pipelines/policy.py). The draft runs for every slot e
 choice costs nothing: it only picks the likelier block. With `num_speculative_tokens: auto` the host
 may also take a whole step without the draft (its rate against the plain step's, as suffix alone
 decides, pipelines/host_policy.py): chosen where its rate beats the model step's, all slots' best
-blocks counted, at each variant's measured cost. A pinned K always runs the model's step of K.
+blocks counted, at each variant's measured cost. And where the model's policy runs a plain step (its
+draft alone does not pay), a model step that runs without compiling is taken for the slots' suffix
+blocks where its rate with them beats the plain step's by the margin suffix alone asks: its draft
+rows are then the price of a variant already compiled. A pinned K always runs the model's step of K.
 Nothing here touches a tensor.
 """
 
@@ -30,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from specgen.pipelines.host_policy import HostDraftPolicy
+from specgen.pipelines.host_policy import HostDraftPolicy, margin
 from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy
 
 
@@ -61,26 +64,44 @@ class HybridPolicy:
     def choose(self, slots: Sequence, available: set[int] | None = None, width: int | None = None) -> int:
         return self.model.choose(slots, available, width)
 
-    def decide(self, k: int, proposals: dict, width: int, ready: set[int], compiled: bool) -> Plan:
+    def decide(self, k: int, proposals: dict, width: int, ready: set[int], compiled: bool,
+               model_ready: set[int] = frozenset()) -> Plan:
         """This step's plan, given the model policy's k and each live slot's proposal (`ready`: the
-        host-only variants that run without compiling, as HostDraftPolicy.choose_host takes them)."""
+        host-only variants that run without compiling, as HostDraftPolicy.choose_host takes them;
+        `model_ready`: the model's step variants that do)."""
         host, n = self.host, len(proposals)
         c = host.calibration()
         k_host = host.choose_host(proposals, width, ready, compiled) if self.adaptive else 0
-        plan = Plan(k)
-        if k > 0:
-            model = self.estimator.expected_accepted(list(proposals), k)
-            suffix = {b: c * sum(p.probs[:k]) for b, p in proposals.items()}
-            plan.use = {b for b, p in proposals.items() if len(p) and suffix[b] > model[b]}
+
+        def model_step(kk: int) -> tuple[Plan, float]:
+            """The model's step of kk drafts, each slot taking the better block; its expected drafts
+            accepted over all slots."""
+            model = self.estimator.expected_accepted(list(proposals), kk)
+            suffix = {b: c * sum(p.probs[:kk]) for b, p in proposals.items()}
+            use = {b for b, p in proposals.items() if len(p) and suffix[b] > model[b]}
+            return Plan(kk, use=use), sum(max(model[b], suffix[b]) for b in proposals)
+
+        plan, expected = model_step(k) if k > 0 else (Plan(0), 0.0)
+        if self.adaptive:
+            cost = self.model.cost(k, width)
+            rate = (n + expected) / cost if cost else 0.0
+            plain = self.model.cost(0, width)
+            options = []
+            if k == 0 and plain:
+                # the model's policy runs plain steps, which its draft alone cannot beat; a compiled
+                # step of its may still pay with the slots' suffix blocks (they ride on its rows)
+                for kk in sorted(model_ready):
+                    kk_cost = self.model.cost(kk, width)
+                    if kk_cost:
+                        kk_plan, kk_expected = model_step(kk)
+                        if kk_plan.use and (n + kk_expected) / kk_cost > rate * (1 + margin(kk_cost, plain)):
+                            options.append(((n + kk_expected) / kk_cost, kk_plan))
             if k_host:
-                model_cost, host_cost = self.model.cost(k, width), host.cost(k_host, width)
-                model_rate = (n + sum(max(model[b], suffix[b]) for b in proposals)) / model_cost \
-                    if model_cost else 0.0
-                host_rate = (n + c * sum(sum(p.probs[:k_host]) for p in proposals.values())) / host_cost
-                if host_rate > model_rate:
-                    plan = Plan(k_host, host_only=True)
-        elif k_host:
-            plan = Plan(k_host, host_only=True)
+                host_rate = (n + c * sum(sum(p.probs[:k_host]) for p in proposals.values())) / host.cost(k_host, width)
+                if host_rate > rate:
+                    options.append((host_rate, Plan(k_host, host_only=True)))
+            if options:
+                plan = max(options, key=lambda option: option[0])[1]
         if plan.host_only:
             plan.use = {b for b, p in proposals.items() if len(p)}
         # the host's calibration learns from the proposals verified, and from the others as shadows

@@ -441,7 +441,7 @@ class Runner:
             return k, {b: min(k, len(p)) for b, p in proposals.items()}, True
         proposals = {b: self.proposer.propose(b, self.unified.k) for b in live}
         ready = {j for j in range(1, self.unified.k + 1) if self.functions.verify_ready(j + 1)}
-        plan = self.policy.decide(k, proposals, self.width, ready, self.compiled)
+        plan = self.policy.decide(k, proposals, self.width, ready, self.compiled, self.functions.compiled_ks)
         k = plan.k
         if k == 0:
             return 0, {}, False
