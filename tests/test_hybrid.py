@@ -58,7 +58,7 @@ def test_greedy_hybrid_equals_greedy_plain(models, batch, k, monkeypatch):
     both_kinds_verified(runner)
     histogram = totals.spec.acceptance_histogram
     assert histogram[0] > 0 and histogram[-1] > 0, histogram
-    if k == "auto":        # some steps were the host's alone (the draft skipped, then caught up)
+    if k == "auto" or batch == 1:   # some steps were the host's alone (the draft skipped, then caught up)
         assert runner.policy.steps["host"] > 0, runner.policy.summary()
 
 

@@ -368,9 +368,10 @@ class StepFunctions:
         self._prefill(self.state, self.caches, batch, self.sampling)
 
     def warm_up(self, kv_len: int, prefill_batches: list[PrefillBatch], ks: tuple[int, ...] = (),
-                plain: bool = False) -> float:
-        """Compile / capture, before the run, the variants k in `ks` and with `plain` the plain step
-        (the verify of one row); all slots inactive: nothing advances. Returns the seconds that took."""
+                plain: bool = False, verifies: tuple[int, ...] = ()) -> float:
+        """Compile / capture, before the run, the variants k in `ks`, with `plain` the plain step (the
+        verify of one row), and the verifies of t rows in `verifies` (a hybrid's steps of host drafts
+        alone); all slots inactive: nothing advances. Returns the seconds that took."""
         if not self.compiled:
             return 0.0
         start = time.perf_counter()
@@ -383,6 +384,8 @@ class StepFunctions:
                 self.step(kv_len, k + 1, k)
             if plain:
                 self.verify(kv_len, 1)
+            for t in verifies:
+                self.verify(kv_len, t)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start

@@ -24,7 +24,8 @@ decides, pipelines/host_policy.py): chosen where its rate beats the model step's
 blocks counted, at each variant's measured cost. And where the model's policy runs a plain step (its
 draft alone does not pay), a model step that runs without compiling is taken for the slots' suffix
 blocks where its rate with them beats the plain step's by the margin suffix alone asks: its draft
-rows are then the price of a variant already compiled. A pinned K always runs the model's step of K.
+rows are then the price of a variant already compiled. A pinned K runs the model's step of K, or,
+where every live slot takes the host's block, the verify of K + 1 rows alone (compiled beside it).
 Nothing here touches a tensor.
 """
 
@@ -102,6 +103,9 @@ class HybridPolicy:
                     options.append((host_rate, Plan(k_host, host_only=True)))
             if options:
                 plan = max(options, key=lambda option: option[0])[1]
+        elif k > 0 and len(plan.use) == n and k in ready:
+            # a pinned K where every slot takes the host's block: the draft pass would only be discarded
+            plan = Plan(k, host_only=True)
         if plan.host_only:
             plan.use = {b for b, p in proposals.items() if len(p)}
         # the host's calibration learns from the proposals verified, and from the others as shadows

@@ -272,9 +272,11 @@ class Runner:
 
     def _compile_variant(self, k: int, prefill_batches: list) -> float:
         """Compile variant k before the run (k = 0: the plain step; with host drafts alone a fixed k
-        runs plain steps too, wherever no slot has a proposal); seconds spent."""
+        runs plain steps too, wherever no slot has a proposal; a hybrid's fixed k runs the verify of
+        its host drafts alone too, wherever every slot takes them); seconds spent."""
         return self.functions.warm_up(self.kv_bucket(0), prefill_batches, (k,) if k else (),
-                                      plain=not k or (self.proposer is not None and not self.hybrid))
+                                      plain=not k or (self.proposer is not None and not self.hybrid),
+                                      verifies=(k + 1,) if k and self.hybrid else ())
 
     def use_policy(self, policy: AdaptivePolicy | FixedPolicy | HostDraftPolicy | HybridPolicy) -> None:
         """Choose k with `policy` from the next run on (bench: fixed K and auto over one compiled
