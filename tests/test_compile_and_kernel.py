@@ -13,6 +13,7 @@ from torch._dynamo.utils import counters
 from test_speculative import make_recipe, models, prompts, run, runner_for  # noqa: F401  (fixture)
 
 import specgen.pipelines.unified as unified
+from specgen.machine import cpu_has_avx512
 
 
 @pytest.fixture
@@ -334,6 +335,10 @@ print(json.dumps(out))
     assert second == tokens(2, "own") and first != second
 
 
+# Only where specgen's row-invariant bf16 micro-kernels run every GEMM (kernels/cpu_bf16_dot.py):
+# elsewhere (AVX2 CPUs, where `auto` takes float32) the README promises no identical bf16 tokens, and
+# none come (on an AMD EPYC Zen 3 this test's bf16 runs part, at 0e20d77 as since).
+@pytest.mark.skipif(not cpu_has_avx512(), reason="bf16 tokens are identical only where AVX-512 runs specgen's GEMM kernels")
 def test_compiled_speculative_step_equals_plain_decoding_in_bfloat16(tmp_path):
     """In bf16 a row's numbers depend on more than its inputs (GEMM kernels, attention's blocking,
     where a fused kernel rounds): verifying a token beside K drafts must still compute what a plain
