@@ -4,8 +4,9 @@ CUDA graphs).
 Contract: `StepFunctions(unified, state, caches, sampling, device=, compile=)` exposes
 `verify(kv_len, t)` (t = 1: the plain step), `step(kv_len, window, k)` (a speculative step: the
 draft of k tokens, then the verify of k + 1 rows) and `prefill(batch)`, bound to the runner's state,
-plus `warm_up(kv_len, prefill_batches, ks, plain)`, which compiles (and on CUDA captures) the
-variants `ks` (and with `plain` the plain step) before the first request; it returns the seconds
+plus `warm_up(kv_len, prefill_batches, ks, plain, verifies)`, which compiles (and on CUDA captures)
+the variants `ks` (with `plain` the plain step, and the verifies of t rows in `verifies`: a hybrid's
+steps of host drafts alone) before the first request; it returns the seconds
 that took. Everything else compiles on first use (`compiled_ks` and `verify_ready` say what exists;
 `compile_seconds` what each cost), so a job pays only for the variants its policy actually runs.
 
