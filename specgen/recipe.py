@@ -36,8 +36,6 @@ DRAFT_METHODS: tuple[str, ...] = METHOD_NAMES
 DRAFT_IN_TARGET = tuple(m.name for m in _REGISTERED.values() if m.lives_in_target)
 # Methods whose draft decides the default K itself (DFlash: block_size - 1).
 K_FROM_DRAFT = tuple(m.name for m in _REGISTERED.values() if m.k_from_draft)
-# Methods that propose on the host without a model (no draft.model, nothing to train).
-ON_HOST = tuple(m.name for m in _REGISTERED.values() if m.on_host)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
