@@ -167,10 +167,10 @@ def test_a_configuration_that_fails_leaves_the_others_figures(tmp_path, monkeypa
     real = measure._run_specgen
     breaks = {}
 
-    def breaking(runner, prompts, max_tokens, tag):
+    def breaking(runner, prompts, max_tokens, tag, suffix_job=None):
         if runner.unified.draft is not None and breaks["when"](tag, runner.policy):
             raise RuntimeError(breaks["error"])
-        return real(runner, prompts, max_tokens, tag)
+        return real(runner, prompts, max_tokens, tag, suffix_job)
 
     monkeypatch.setattr(measure, "_run_specgen", breaking)
     eagle3 = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
@@ -201,3 +201,28 @@ def test_a_configuration_that_fails_leaves_the_others_figures(tmp_path, monkeypa
     assert rows["eagle3 K=2"]["error"] == "RuntimeError: a timed run broke" and rows["eagle3 K=2"]["samples"] == []
     assert rows["ar"]["error"] is None and len(rows["ar"]["samples"]) == 2
     assert "eagle3 K=2 FAILED in run 2" in result.output
+
+
+def test_suffix_drafting_remembers_a_round_across_its_legs(tmp_path, monkeypatch):
+    """A round is one job run in legs: suffix drafting's job-wide index carries over from leg to leg
+    (bench/measure.py), so a prompt asked again in a later leg is drafted from its first answer."""
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    target = write_llama_checkpoint(tmp_path / "target", tiny_llama_config(vocab_size=300))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({
+        "target": {"model": str(target), "dtype": "float32"},
+        "draft": {"method": "suffix", "num_speculative_tokens": 4},
+        "runtime": {"device": "cpu", "max_seq_len": 128, "compile": False, "threads": 1},
+        "chat_template": False}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text((json.dumps({"prompt": "tell me 7 things about 19 ducks"}) + "\n") * 3)
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["bench", str(recipe), "--prompts", str(prompts), "--limit", "3",
+                                      "--batch-sizes", "1", "--max-tokens", "40", "--repeats", "1",
+                                      "--chunk", "1", "--baselines", "ar", "--output", str(out)],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    row = next(r for r in json.loads(out.read_text())["results"] if r["config"] == "suffix K=4")
+    assert len(row["leg_samples"]) == 3
+    # the second and third answers repeat the first: every block after their opening ones accepts 4
+    assert row["mean_acceptance_length"] > 3.0, row

@@ -209,6 +209,12 @@ def test_a_job_whose_answers_repeat_accepts_long_blocks(models):
     again = {}
     runner.run(requests[:1], lambda c: again.__setitem__(c.id, c.spec))
     assert again["r0"].num_accepted_tokens == counters["r0"][1].num_accepted_tokens
+    # one job run in parts (bench's legs of a round) carries its job-wide index from part to part
+    job, parts = runner.proposer.new_job(), {}
+    for request in requests[:2]:
+        runner.run([request], lambda c: parts.__setitem__(c.id, c.spec), suffix_job=job)
+    assert parts["r1"].num_accepted_tokens == counters["r1"][1].num_accepted_tokens
+    assert parts["r1"].mean_acceptance_length > 3.5
 
 
 def test_a_run_starts_from_earlier_answers_only_where_asked(models, tmp_path):
@@ -304,6 +310,25 @@ def test_auto_verifies_only_proposals_worth_their_step():
     assert eager.choose_host({0: proposal(1.0, 1.0, 0.1, 0.1)}, 1, {1, 2, 3, 4}, False) == 2
     # and where a row costs what a plain step does, drafting never pays below certainty
     assert policy_with_costs(0.010, 0.050).choose_host({0: proposal(0.9, 0.9)}, 1, {1, 2, 3, 4}, False) == 0
+
+
+def test_one_slow_first_step_does_not_shut_a_variant_out():
+    # a variant is measured only while chosen: its first step, 20x the profile (a one-off), must not
+    # decide alone; three slow steps do
+    policy = policy_with_costs(0.010, 0.012)
+    likely = {0: proposal(1.0, 1.0)}
+    assert policy.choose_host(likely, 1, {4}, True) == 4
+    policy.observe_step(4, 1, 0.240)
+    assert policy.cost(4, 1) == pytest.approx(0.012)
+    assert policy.choose_host(likely, 1, {4}, True) == 4
+    policy.observe_step(4, 1, 0.011)
+    assert policy.cost(4, 1) == pytest.approx(0.012)      # the prior still bounds two samples
+    policy.observe_step(4, 1, 0.013)
+    assert policy.cost(4, 1) == pytest.approx(0.013)      # settled: the median of its steps
+    for _ in range(3):
+        policy.observe_step(4, 1, 0.200)
+    assert policy.cost(4, 1) == pytest.approx(0.200)
+    assert policy.choose_host(likely, 1, {4}, True) == 0
 
 
 def test_auto_learns_what_the_target_accepts_from_plain_steps_too():

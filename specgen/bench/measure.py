@@ -12,6 +12,8 @@ Each round runs the prompts in legs of `chunk` prompts (`prompt_legs`; default m
 configuration in turn on one leg before the next leg: the runs a ratio compares then lie seconds
 apart, not a whole round (ten configurations of 16 prompts at one slot made rounds of ~2 minutes,
 and this VM's slow spells, shorter than that, hit one configuration of a round and not another).
+A round is one job all the same: suffix drafting's job-wide index carries over from leg to leg of a
+configuration's round (a new one each round), as it would through a job of those prompts.
 Throughputs are medians over rounds (a round's tokens over its seconds), speed-ups the median of
 each leg's ratio (`paired_ratio`). Acceptance
 statistics (vLLM's definitions) add up over the timed runs. The time split of a step comes from one
@@ -317,6 +319,9 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
         legs = prompt_legs(len(prompts), batch, options.chunk)
         for repeat in range(options.repeats):
             done = {name: [0, 0.0] for name, _, _ in configs}          # a round's tokens and seconds
+            # each configuration's suffix job-wide index through the round's legs (None: no proposer)
+            jobs = {name: runners[name].proposer.new_job() if getattr(runners.get(name), "proposer", None)
+                    else None for name, _, _ in configs}
             for leg, (a, b) in enumerate(legs):
                 for name, recipe, _ in round_order(configs, repeat * len(legs) + leg):   # see round_order
                     if name in failed:
@@ -331,7 +336,7 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                         else:
                             runners[name].use_policy(policies[name])
                             totals, seconds = _run_specgen(runners[name], prompts[a:b], options.max_tokens,
-                                                           f"r{repeat}-{leg}")
+                                                           f"r{repeat}-{leg}", jobs[name])
                             tokens = totals.output_tokens
                             steps[name].append((totals.steps, totals.step_seconds))
                             if totals.spec.num_speculative_tokens:
@@ -463,10 +468,10 @@ def _specgen_runner(recipe: Recipe, resolved, batch: int, options: BenchOptions,
     return runner
 
 
-def _run_specgen(runner, prompts: list[list[int]], max_tokens: int, tag: str):
+def _run_specgen(runner, prompts: list[list[int]], max_tokens: int, tag: str, suffix_job=None):
     requests = [Request(f"{tag}-{i}", p, max_tokens, i) for i, p in enumerate(prompts)]
     start = time.perf_counter()
-    totals = runner.run(requests, lambda c: None)
+    totals = runner.run(requests, lambda c: None, suffix_job=suffix_job)
     if runner.device.type == "cuda":
         torch.cuda.synchronize()
     return totals, time.perf_counter() - start

@@ -213,14 +213,21 @@ class SuffixProposer:
         self.history = newest[::-1]
         self.reset()
 
-    def reset(self) -> None:
-        """Forget the run: no slot live, the job-wide index holding the history alone (a new run)."""
+    def reset(self, job: SuffixIndex | None = None) -> None:
+        """Forget the run: no slot live, the job-wide index holding the history alone (a new run);
+        `job`: carry on with that job-wide index instead (`new_job()`'s: one job run in parts, as
+        bench runs a round in legs), which this run then extends."""
         self.requests: list[SuffixIndex | None] = [None] * self.slots
         self.outputs: list[list[int]] = [[] for _ in range(self.slots)]
-        self.job = SuffixIndex(max_tokens=self.job_tokens, **self.settings)
+        self.job = job if job is not None else self.new_job()
+
+    def new_job(self) -> SuffixIndex:
+        """A job-wide index holding the history alone."""
+        job = SuffixIndex(max_tokens=self.job_tokens, **self.settings)
         for answer in self.history:
-            self.job.append(answer)
-            self.job.close()
+            job.append(answer)
+            job.close()
+        return job
 
     def admit(self, slot: int, prompt_ids) -> None:
         index = self.requests[slot] = SuffixIndex(**self.settings)

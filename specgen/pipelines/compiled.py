@@ -62,6 +62,20 @@ def _graphs_compiled() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+# The longest a step's graph took to lower in this process (graphs loaded from the graph cache left
+# out): see `slowest_lowering`.
+_slowest_lowering = 0.0
+
+
+def slowest_lowering() -> float:
+    """Seconds the slowest step graph lowered (not loaded from the graph cache) in this process took.
+    A runner built after another (bench) finds the kernels its plain step needs already built by the
+    first, and compiles it fast; a variant of other shapes still builds its own, so the plain step's
+    time alone would promise a mid-run compile far cheaper than it is (seen: a 79 s compile taken
+    mid-run for a round of 24 prompts, which ran at 0.6x)."""
+    return _slowest_lowering
+
+
 def _graph_cache_hits() -> int:
     """Graphs Inductor has loaded from its graph cache in this process instead of lowering them."""
     return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
@@ -343,6 +357,9 @@ class StepFunctions:
         self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + time.perf_counter() - start
         if first and _graph_cache_hits() > hits:
             self.from_graph_cache.add(name)
+        elif first:
+            global _slowest_lowering
+            _slowest_lowering = max(_slowest_lowering, self.compile_seconds[key])
         return out
 
     def use_slots(self, slots: int) -> None:

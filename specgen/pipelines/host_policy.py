@@ -20,6 +20,10 @@ prefixes (drafts.suffix.Proposal.probs), so the choice is made per step, for the
 - cost(k) is the median of the last COST_WINDOW steps of k, from the warm-up's profile before any
   (`profile`): the plain step timed, K's verify timed eagerly and scaled as the plain step scales
   from eager to compiled (pessimistic: eager time grows with rows faster than compiled time).
+  Until COST_SETTLED steps of k are measured, the lower of their median and that prior figure: a
+  variant is measured only while it is chosen, so one slow first step (a first call after the
+  graph loads, a noisy neighbour) taken at face value would shut it out for the rest of the job
+  (seen: a hybrid's host-only step measured once at 356 ms against 32 ms, then never taken again).
 A variant that needs compiling (compiled runs: K, until its first use) is compiled when the time it
 is expected to save over the rest of the job, at the job's mean gain per step so far, is at least
 COMPILE_PAYBACK times its compile time (estimated as the plain step's): a short job never compiles
@@ -39,6 +43,7 @@ import torch
 from specgen.pipelines.profile import median_seconds
 
 COST_WINDOW = 15
+COST_SETTLED = 3                   # steps of a variant measured before their median alone is its cost
 CALIBRATION_PRIOR = (4.0, 2.8)     # pseudo (predicted, accepted) tokens: the index's figures at 0.7
 GAIN_RATE = 0.05                   # the job's mean gain per step: an EMA over ~20 steps
 COMPILE_PAYBACK = 2.0
@@ -132,8 +137,13 @@ class HostDraftPolicy:
 
     def cost(self, k: int, width: int) -> float:
         recent = self.costs.get((width, k))
-        if recent:
-            return statistics.median(recent)
+        if not recent:
+            return self._prior_cost(k, width)
+        measured = statistics.median(recent)
+        return measured if len(recent) >= COST_SETTLED else min(measured, self._prior_cost(k, width))
+
+    def _prior_cost(self, k: int, width: int) -> float:
+        """k's cost before its own steps are measured: the warm-up's figures."""
         if (width, k) in self.profiled:
             return self.profiled[(width, k)]
         if 0 < k < self.k_max and (width, 0) in self.profiled and (width, self.k_max) in self.profiled:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from specgen.pipelines.compiled import StepFunctions
+from specgen.pipelines.compiled import StepFunctions, slowest_lowering
 from specgen.pipelines.policy import AdaptivePolicy, SlotView
 
 REPEATS = 3
@@ -54,9 +54,13 @@ def cold_compile_seconds(functions: StepFunctions, name: tuple) -> float:
     """What compiling `name` took, or, where it was loaded from Inductor's graph cache, what
     lowering it anew would take: the estimate for variants this cache may not hold (a re-run that
     loaded its plain step in 40 s would otherwise expect a variant never compiled to take that
-    long, not the 130 s it takes, and compile it for a job that cannot repay it)."""
+    long, not the 130 s it takes, and compile it for a job that cannot repay it); and at least the
+    slowest lowering this process has seen (compiled.slowest_lowering: kernels built earlier for
+    another runner make a plain step compile fast that its variants will not)."""
     seconds = functions.compile_seconds.get(name, 0.0)
-    return seconds * COLD_OVER_CACHED_COMPILE if name in functions.from_graph_cache else seconds
+    if name in functions.from_graph_cache:
+        seconds *= COLD_OVER_CACHED_COMPILE
+    return max(seconds, slowest_lowering()) if seconds else seconds
 
 
 @torch.inference_mode()

@@ -315,12 +315,14 @@ class Runner:
     @torch.inference_mode()
     def run(self, requests: Iterable[Request], on_finish: Callable[[Completion], None],
             on_progress: Callable[[Progress], None] | None = None,
-            on_status: Callable[[str], None] | None = None) -> RunTotals:
-        """`on_status(line)` hears about the one-time warm-up (compilation) before any request."""
+            on_status: Callable[[str], None] | None = None, suffix_job=None) -> RunTotals:
+        """`on_status(line)` hears about the one-time warm-up (compilation) before any request.
+        `suffix_job`: with host proposals, the job-wide index to carry on (drafts.suffix.SuffixProposer.
+        new_job; bench's legs of one round), else a new one."""
         totals = self.totals = RunTotals(spec=SpecCounters(self.unified.k))
         start = time.perf_counter()
         if self.proposer is not None:
-            self.proposer.reset()          # what a run learns from its outputs stays in that run
+            self.proposer.reset(suffix_job)   # what a run learns from its outputs stays in that run
 
         def finish(completion: Completion) -> None:
             totals.requests += 1
