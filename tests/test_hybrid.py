@@ -15,7 +15,7 @@ from test_deepseek_pairings import write_pairings
 from test_speculative import models, prompts, run, runner_for  # noqa: F401 (models: a fixture)
 from test_suffix import plain_recipe, proposal, repeated_prompts
 
-from specgen.pipelines.host_policy import HostDraftPolicy
+from specgen.pipelines.host_policy import REMEASURE_FIRST, HostDraftPolicy
 from specgen.pipelines.hybrid_policy import HybridPolicy
 from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy
 from specgen.pipelines.runner import Request
@@ -192,3 +192,20 @@ def test_where_the_model_runs_plain_a_compiled_model_step_carries_the_host_block
     # without a compiled model step, or with proposals too weak for its cost: plain
     assert policy.decide(0, strong, 2, set(), compiled=True).k == 0
     assert policy.decide(0, {0: proposal(0.3), 1: proposal()}, 2, set(), compiled=True, model_ready={3}).k == 0
+
+
+def test_a_hybrid_measures_again_the_host_step_its_measured_cost_forbids(monkeypatch):
+    """Three slow host-only steps (a slow spell) forbid the host's variant; as for suffix alone it runs
+    again after REMEASURE_FIRST such steps, priced at its warm-up figure, and that time counts afresh."""
+    monkeypatch.setattr(AdaptivePolicy, "cost", lambda self, k, width: 0.010 + 0.0028 * k)
+    policy = hybrid_policy(adaptive=True, acceptance=0.3)
+    host = policy.host
+    host.profiled[(2, 0)], host.profiled[(2, 3)] = 0.010, 0.0112
+    for _ in range(3):
+        host.observe_step(3, 2, 0.100)
+    strong = {0: proposal(0.95, 0.9, 0.85), 1: proposal(0.9, 0.9, 0.9)}
+    plans = [policy.decide(0, strong, 2, {3}, compiled=False) for _ in range(REMEASURE_FIRST)]
+    assert [p.host_only for p in plans] == [False] * (REMEASURE_FIRST - 1) + [True]
+    policy.observe_step(3, 2, 0.0112)
+    assert host.cost(3, 2) == pytest.approx(0.0112)
+    assert policy.decide(0, strong, 2, {3}, compiled=False).host_only

@@ -17,7 +17,7 @@ from test_speculative import models, prompts, run, runner_for  # noqa: F401 (mod
 
 from specgen.drafts.suffix import NO_PROPOSAL, Proposal, SuffixIndex, SuffixProposer
 from specgen.job import InputError
-from specgen.pipelines.host_policy import HostDraftPolicy
+from specgen.pipelines.host_policy import REMEASURE_FIRST, HostDraftPolicy
 from specgen.pipelines.runner import Request, Runner
 from specgen.recipe import RecipeError, recipe_from_dict
 
@@ -329,6 +329,18 @@ def test_one_slow_first_step_does_not_shut_a_variant_out():
         policy.observe_step(4, 1, 0.200)
     assert policy.cost(4, 1) == pytest.approx(0.200)
     assert policy.choose_host(likely, 1, {4}, True) == 0
+    # what its prior would take, its measured cost forbids: every REMEASURE_FIRST such steps it runs
+    # once more, and that step's time starts its window afresh
+    chosen = [policy.choose_host(likely, 1, {4}, True) for _ in range(REMEASURE_FIRST - 1)]
+    assert chosen == [0] * (REMEASURE_FIRST - 2) + [4] and policy.steps["remeasured"] == 1
+    policy.observe_step(4, 1, 0.011)                   # fast again: the slow spell is forgotten
+    assert policy.cost(4, 1) == pytest.approx(0.011)
+    assert policy.choose_host(likely, 1, {4}, True) == 4
+    # slow again: two more steps settle it, then the next re-measure waits twice as long
+    policy.observe_step(4, 1, 0.200)
+    policy.observe_step(4, 1, 0.200)
+    chosen = [policy.choose_host(likely, 1, {4}, True) for _ in range(2 * REMEASURE_FIRST)]
+    assert chosen.count(4) == 1 and chosen[-1] == 4 and policy.steps["remeasured"] == 2
 
 
 def test_auto_learns_what_the_target_accepts_from_plain_steps_too():

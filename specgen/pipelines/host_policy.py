@@ -24,6 +24,11 @@ prefixes (drafts.suffix.Proposal.probs), so the choice is made per step, for the
   variant is measured only while it is chosen, so one slow first step (a first call after the
   graph loads, a noisy neighbour) taken at face value would shut it out for the rest of the job
   (seen: a hybrid's host-only step measured once at 356 ms against 32 ms, then never taken again).
+  And where the measured cost forbids a k that its prior figure would take, every REMEASURE_FIRST
+  such steps (the interval doubling up to REMEASURE_MAX) the step takes k once to measure it again,
+  its time starting the variant's window afresh (seen: suffix `auto` measured its first three
+  steps of 4 rows at 88 ms, against 31 for the same steps of its pinned-K twin, and ran plain for
+  the rest of the job).
 A variant that needs compiling (compiled runs: K, until its first use) is compiled when the time it
 is expected to save over the rest of the job, at the job's mean gain per step so far, is at least
 COMPILE_PAYBACK times its compile time (estimated as the plain step's): a short job never compiles
@@ -53,6 +58,8 @@ COMPILE_PAYBACK = 2.0
 # tends to accept less than estimated (measured: `auto` 0.84x ar at 8 slots with the flat 3%).
 MIN_GAIN = 0.03
 MARGIN_PER_COST = 0.1
+REMEASURE_FIRST = 16               # steps a measured cost forbade k (its prior allowing it) before k runs again
+REMEASURE_MAX = 256
 VERIFIED_ENOUGH = 20.0             # predicted tokens of verified blocks before c is theirs alone
 
 
@@ -74,7 +81,10 @@ class HostDraftPolicy:
         self.committed = 0               # tokens committed so far (to know what the job has left)
         self._offered: dict[int, tuple[float, ...]] = {}   # slot -> probs of its proposal, this step
         self._shadows: dict[int, tuple[tuple[int, ...], tuple[float, ...], int]] = {}
-        self.steps = {"plain": 0, "drafted": 0}
+        self.steps = {"plain": 0, "drafted": 0, "remeasured": 0}
+        self._missed: dict[tuple[int, int], int] = {}      # (width, k) -> steps its measured cost forbade it
+        self._interval: dict[tuple[int, int], int] = {}    # (width, k) -> missed steps before it runs again
+        self.remeasure: tuple[int, int] | None = None      # this step runs (width, k) to measure it again
 
     # -- what the runner asks -----------------------------------------------------------------------
 
@@ -104,14 +114,33 @@ class HostDraftPolicy:
         plain_cost = self.cost(0, width)
         plain_rate = n / plain_cost
         best, best_rate = 0, plain_rate
+
+        def wins(rate: float, cost: float) -> bool:
+            return rate > plain_rate * (1 + margin(cost, plain_cost)) and rate > best_rate
+
         candidates = [k for k in (range(1, longest + 1) if not compiled else (self.k_max,))
                       if k in available or (compiled and self._worth_compiling(k, width, n))]
+        forbidden = None            # a measured k its prior figure would take
         for k in candidates:
-            expected = sum(sum(p.probs[:k]) for p in proposals.values())
+            expected = n + c * sum(sum(p.probs[:k]) for p in proposals.values())
             cost = self.cost(k, width)
-            rate = (n + c * expected) / cost
-            if rate > plain_rate * (1 + margin(cost, plain_cost)) and rate > best_rate:
-                best, best_rate = k, rate
+            if wins(expected / cost, cost):
+                best, best_rate = k, expected / cost
+            elif (width, k) in self.costs and wins(expected / (prior := self._prior_cost(k, width)), prior):
+                forbidden = k
+        self.remeasure = None
+        if best and len(self.costs.get((width, best), ())) >= COST_SETTLED:
+            # its measured cost lets it win again: a later doubt starts from the first interval
+            self._interval.pop((width, best), None)
+            self._missed.pop((width, best), None)
+        elif not best and forbidden is not None:
+            key = (width, forbidden)
+            self._missed[key] = self._missed.get(key, 0) + 1
+            if self._missed[key] >= self._interval.get(key, REMEASURE_FIRST):
+                self._missed[key] = 0
+                self._interval[key] = min(2 * self._interval.get(key, REMEASURE_FIRST), REMEASURE_MAX)
+                best, self.remeasure = forbidden, key
+                self.steps["remeasured"] += 1
         if best == 0:
             self.shadow(proposals)
         else:
@@ -166,8 +195,16 @@ class HostDraftPolicy:
 
     # -- what the runner reports --------------------------------------------------------------------
 
+    def planned_cost(self, k: int, width: int) -> float:
+        """What `choose_host` priced k at this step: its prior figure for a re-measure."""
+        return self._prior_cost(k, width) if self.remeasure == (width, k) else self.cost(k, width)
+
     def observe_step(self, k: int, width: int, seconds: float) -> None:
-        self.costs.setdefault((width, k), deque(maxlen=COST_WINDOW)).append(seconds)
+        window = self.costs.setdefault((width, k), deque(maxlen=COST_WINDOW))
+        if self.remeasure == (width, k):
+            window.clear()              # measured again: the earlier figures are what it doubts
+            self.remeasure = None
+        window.append(seconds)
 
     def observe_block(self, slot: int, k: int, accepted: int) -> None:
         self.committed += accepted + 1

@@ -98,7 +98,7 @@ class HybridPolicy:
                         if kk_plan.use and (n + kk_expected) / kk_cost > rate * (1 + margin(kk_cost, plain)):
                             options.append(((n + kk_expected) / kk_cost, kk_plan))
             if k_host:
-                host_rate = (n + c * sum(sum(p.probs[:k_host]) for p in proposals.values())) / host.cost(k_host, width)
+                host_rate = (n + c * sum(sum(p.probs[:k_host]) for p in proposals.values())) / host.planned_cost(k_host, width)
                 if host_rate > rate:
                     options.append((host_rate, Plan(k_host, host_only=True)))
             if options:
