@@ -366,3 +366,25 @@ def test_auto_compiles_the_drafted_step_only_where_the_job_repays_it():
     # saving ~14 ms a token (gain from one step of EMA: small) needs ~10^5 tokens to repay 200 s
     assert decide(1_000) == 0
     assert decide(10_000_000) == 4
+
+
+def test_a_variant_compiled_after_the_warm_up_is_timed_before_the_next_run():
+    """host_policy.refresh: K's warm-up figure was estimated from eager time (not compiled then); once
+    compiled (a pinned K on the same runner, as in bench) the next run's warm-up times it."""
+    from types import SimpleNamespace
+
+    from specgen.pipelines.host_policy import refresh
+
+    policy = policy_with_costs(0.010, 0.050)
+    policy.estimated.add((1, 4))
+    calls = []
+    compiled = set()
+    functions = SimpleNamespace(state=SimpleNamespace(active=torch.ones(1, dtype=torch.bool)),
+                                device=torch.device("cpu"), verify_ready=lambda t: t in compiled,
+                                verify=lambda kv_len, t: calls.append(t))
+    refresh(policy, functions, 64, 1)
+    assert calls == [] and policy.profiled[(1, 4)] == 0.050        # not compiled yet: the estimate stays
+    compiled.add(5)
+    refresh(policy, functions, 64, 1)
+    assert calls and set(calls) == {5} and not functions.state.active.any()
+    assert policy.profiled[(1, 4)] < 0.050 and policy.estimated == set()

@@ -74,6 +74,7 @@ class HostDraftPolicy:
         self.horizon_tokens = horizon_tokens
         self.costs: dict[tuple[int, int], deque] = {}      # (width, k) -> recent step seconds
         self.profiled: dict[tuple[int, int], float] = {}   # (width, k) -> the warm-up's figure
+        self.estimated: set[tuple[int, int]] = set()        # profiled figures estimated from eager time
         self.compile_estimate: float | None = None         # seconds to compile K (None: no estimate)
         self.predicted, self.accepted = CALIBRATION_PRIOR
         self.verified = [0.0, 0.0]       # predicted, accepted: the blocks verified (chosen by this rule)
@@ -272,6 +273,23 @@ def profile(policy: HostDraftPolicy, functions, kv_len: int, slots: int, cold_co
 
         plain_eager = eager(1)
         policy.profiled[(slots, k)] = eager(k + 1) * min(1.0, plain / plain_eager)
+        policy.estimated.add((slots, k))
         policy.compile_estimate = cold_compile
     state.active.zero_()
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def refresh(policy: HostDraftPolicy, functions, kv_len: int, slots: int) -> float:
+    """Before a run, every slot inactive: time the variants whose warm-up figure was estimated and
+    that have been compiled since (by this policy's run, or by a pinned K sharing the runner, as in
+    bench): the estimate is pessimistic, and a variant never chosen is never measured (seen: suffix
+    `auto` ran plain steps on a verify of 4 rows its pinned-K twin ran at 1.16x ar). Seconds spent."""
+    start = time.perf_counter()
+    for width, k in sorted(policy.estimated):
+        if width == slots and functions.verify_ready(k + 1):
+            functions.state.active.zero_()
+            policy.profiled[(width, k)] = median_seconds(functions.device, lambda: functions.verify(kv_len, k + 1))
+            policy.estimated.discard((width, k))
+    functions.state.active.zero_()
     return time.perf_counter() - start

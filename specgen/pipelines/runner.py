@@ -32,6 +32,7 @@ from specgen.kernels.keyed_noise import noise_key_for
 from specgen.pipelines.compiled import StepFunctions
 from specgen.pipelines.host_policy import HostDraftPolicy
 from specgen.pipelines.host_policy import profile as profile_host
+from specgen.pipelines.host_policy import refresh as refresh_host
 from specgen.pipelines.hybrid_policy import HybridPolicy
 from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy, SlotView
 from specgen.pipelines.prefill import PrefillItem, pack, plan_prefill
@@ -250,6 +251,9 @@ class Runner:
             # a fixed k > 0 never runs the plain step; an adaptive policy starts from it (profile.py)
             seconds += self._compile_variant(policy.k if isinstance(policy, FixedPolicy) else 0, batches)
         if any(p is self.policy for p in self._prepared):
+            host = hybrid.host if hybrid is not None and hybrid.adaptive else policy
+            if isinstance(host, HostDraftPolicy) and host.estimated:
+                seconds += refresh_host(host, self.functions, self.kv_bucket(0), self.batch_size)
             return seconds
         self._prepared.append(self.policy)
         if isinstance(policy, AdaptivePolicy):
