@@ -123,11 +123,11 @@ class HostDraftPolicy:
                       if k in available or (compiled and self._worth_compiling(k, width, n))]
         forbidden = None            # a measured k its prior figure would take
         for k in candidates:
-            expected = n + c * sum(sum(p.probs[:k]) for p in proposals.values())
+            tokens = n + c * sum(sum(p.probs[:k]) for p in proposals.values())    # expected, all slots
             cost = self.cost(k, width)
-            if wins(expected / cost, cost):
-                best, best_rate = k, expected / cost
-            elif (width, k) in self.costs and wins(expected / (prior := self._prior_cost(k, width)), prior):
+            if wins(tokens / cost, cost):
+                best, best_rate = k, tokens / cost
+            elif (width, k) in self.costs and wins(tokens / (prior := self._prior_cost(k, width)), prior):
                 forbidden = k
         self.remeasure = None
         if best and len(self.costs.get((width, best), ())) >= COST_SETTLED:
@@ -263,7 +263,7 @@ def profile(policy: HostDraftPolicy, functions, kv_len: int, slots: int, cold_co
     plain = median_seconds(device, lambda: functions.verify(kv_len, 1))
     policy.profiled[(slots, 0)] = plain
     if functions.verify_ready(k + 1):
-        policy.profiled[(slots, k)] = median_seconds(device, lambda: functions.verify(kv_len, k + 1))
+        policy.profiled[(slots, k)] = _verify_seconds(functions, kv_len, k)
     else:
         key_index = functions.key_index(kv_len)
 
@@ -286,10 +286,14 @@ def refresh(policy: HostDraftPolicy, functions, kv_len: int, slots: int) -> floa
     bench): the estimate is pessimistic, and a variant never chosen is never measured (seen: suffix
     `auto` ran plain steps on a verify of 4 rows its pinned-K twin ran at 1.16x ar). Seconds spent."""
     start = time.perf_counter()
+    functions.state.active.zero_()          # no slot moves: a verify of inactive slots commits nothing
     for width, k in sorted(policy.estimated):
         if width == slots and functions.verify_ready(k + 1):
-            functions.state.active.zero_()
-            policy.profiled[(width, k)] = median_seconds(functions.device, lambda: functions.verify(kv_len, k + 1))
+            policy.profiled[(width, k)] = _verify_seconds(functions, kv_len, k)
             policy.estimated.discard((width, k))
-    functions.state.active.zero_()
     return time.perf_counter() - start
+
+
+def _verify_seconds(functions, kv_len: int, k: int) -> float:
+    """Median seconds of the compiled verify of k + 1 rows per slot."""
+    return median_seconds(functions.device, lambda: functions.verify(kv_len, k + 1))
