@@ -175,11 +175,30 @@ def test_auto_skips_the_draft_where_the_host_alone_pays_more(monkeypatch):
     monkeypatch.setattr(AdaptivePolicy, "observe_step", lambda self, k, w, s: seen.append(k))
     policy.observe_step(3, 2, 0.02)
     assert seen == [] and list(policy.host.costs) == [(2, 3)]
-    # where no proposal is worth its rows, the model's step runs as its policy chose
+    # where no proposal is worth its rows, the model's step runs as its policy chose (a probe here)
     weak = {0: proposal(0.2), 1: proposal()}
+    policy.model.reason = "probe"
     plan = policy.decide(2, weak, 2, {3}, compiled=False)
     assert (plan.k, plan.host_only, plan.use) == (2, False, set())
     assert policy.steps == {"plain": 0, "model": 1, "mixed": 0, "host": 1}
+
+
+def test_a_model_step_chosen_at_par_with_plain_decoding_runs_plain(monkeypatch):
+    """Beside the host, the model's best-estimate step must beat the plain step by the host's margin
+    (host_policy.margin); its probes run regardless: they are how it measures acceptance."""
+    fixed_costs(monkeypatch)          # k = 2: 13.6 ms against 10 for a plain step
+    weak = {0: proposal(0.2), 1: proposal()}
+    # acceptance 0.3: 2 x 1.39 tokens in 13.6 ms, 2% above plain decoding's rate, short of 6.6%
+    policy = hybrid_policy(adaptive=True, acceptance=0.3)
+    plan = policy.decide(2, weak, 2, {3}, compiled=False)
+    assert (plan.k, plan.use) == (0, set()) and policy.held_back == 1
+    assert policy.summary()["hybrid"]["held_back"] == 1
+    policy.model.reason = "probe"
+    assert policy.decide(2, weak, 2, {3}, compiled=False).k == 2
+    # acceptance 0.6: 2 x 1.96 tokens, 44% above: the step runs
+    policy = hybrid_policy(adaptive=True, acceptance=0.6)
+    plan = policy.decide(2, weak, 2, {3}, compiled=False)
+    assert (plan.k, plan.host_only, plan.use) == (2, False, set()) and policy.held_back == 0
 
 
 def test_where_the_model_runs_plain_a_compiled_model_step_carries_the_host_blocks(monkeypatch):

@@ -21,8 +21,10 @@ acceptance over the job's, pipelines/policy.py). The draft runs for every slot e
 choice costs nothing: it only picks the likelier block. With `num_speculative_tokens: auto` the host
 may also take a whole step without the draft (its rate against the plain step's, as suffix alone
 decides, pipelines/host_policy.py): chosen where its rate beats the model step's, all slots' best
-blocks counted, at each variant's measured cost. And where the model's policy runs a plain step (its
-draft alone does not pay), a model step that runs without compiling is taken for the slots' suffix
+blocks counted, at each variant's measured cost. A model step its policy chose as the best estimate
+(not a probe) runs only where its rate, the slots' suffix blocks counted, beats the plain step's by
+that margin too (host_policy.margin); else the step is plain (`held_back` in the stats). And where
+the model's policy runs a plain step (its draft alone does not pay), a model step that runs without compiling is taken for the slots' suffix
 blocks where its rate with them beats the plain step's by the margin suffix alone asks: its draft
 rows are then the price of a variant already compiled. A pinned K runs the model's step of K, or,
 where every live slot takes the host's block, the verify of K + 1 rows alone (compiled beside it).
@@ -58,6 +60,7 @@ class HybridPolicy:
         self.k = self.k_max = model.k_max if self.adaptive else model.k
         self.plan = Plan(0)
         self.steps = {"plain": 0, "model": 0, "mixed": 0, "host": 0}   # mixed: some slots took the host's
+        self.held_back = 0        # model steps its policy chose that fell short of the margin: plain
         self.blocks = {"model": 0, "host": 0}
 
     # -- what the runner asks -----------------------------------------------------------------------
@@ -87,6 +90,14 @@ class HybridPolicy:
             cost = self.model.cost(k, width)
             rate = (n + expected) / cost if cost else 0.0
             plain = self.model.cost(0, width)
+            if k > 0 and plain and self.model.reason == "best" and rate <= n / plain * (1 + margin(cost, plain)):
+                # the model's policy takes the best estimate at par; beside the host, a drafted step
+                # must beat plain decoding by the margin a host step must: a step taken for a high
+                # estimate accepts less than estimated, and at par these steps lost (a pinned
+                # eagle3+suffix K=3 on held-out ShareGPT: its model-only steps 33.4 tok/s, plain
+                # steps 38). Its probes still run: they are how it measures its acceptance.
+                plan, expected, k, rate = Plan(0), 0.0, 0, n / plain
+                self.held_back += 1
             options = []
             if k == 0 and plain:
                 # the model's policy runs plain steps, which its draft alone cannot beat; a compiled
@@ -155,4 +166,5 @@ class HybridPolicy:
 
     def summary(self) -> dict:
         return {**self.model.summary(), "hybrid": {"steps": dict(self.steps), "blocks": dict(self.blocks),
+                                                   "held_back": self.held_back,
                                                    "host": self.host.summary()}}
