@@ -178,6 +178,8 @@ class TrainSpec:
     block_size: int = 8               # dflash: anchor + K masks
     anchors: int = 32                 # dflash: blocks per sequence
     loss_gamma: float | None = None   # dflash: position weights exp(-(i - 1) / gamma); None = block_size // 2
+    mask_token_id: int | None = None  # dflash: the mask row; None = one that means nothing (an unused row, a special token)
+    feature_layers: int | None = None  # dflash: target layers read; None = 5 (the published drafts)
     checkpoint_every: int = 50        # optimizer steps between checkpoints (resume after a kill)
     eval_every: int = 50              # optimizer steps between held-out agreement measurements
     eval_prompts: int = 24            # held-out prompts of the final acceptance measurement
@@ -190,7 +192,8 @@ class TrainSpec:
 # Which train fields apply to which draft method only.
 TRAIN_FIELDS_OF = {"ttt_steps": ("eagle3", "mtp"), "ttt_decay": ("eagle3", "mtp"),
                    "draft_vocab_size": ("eagle3",), "layers": ("dflash",), "block_size": ("dflash",),
-                   "anchors": ("dflash",), "loss_gamma": ("dflash",)}
+                   "anchors": ("dflash",), "loss_gamma": ("dflash",), "mask_token_id": ("dflash",),
+                   "feature_layers": ("dflash",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -635,6 +638,8 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
         block_size=check.get(t, "train.block_size", _integer(2, MAX_NUM_SPECULATIVE_TOKENS + 1), d.block_size),
         anchors=check.get(t, "train.anchors", positive, d.anchors),
         loss_gamma=check.get(t, "train.loss_gamma", _optional(above_zero), d.loss_gamma),
+        mask_token_id=check.get(t, "train.mask_token_id", _optional(_integer(0)), d.mask_token_id),
+        feature_layers=check.get(t, "train.feature_layers", _optional(positive), d.feature_layers),
         checkpoint_every=check.get(t, "train.checkpoint_every", positive, d.checkpoint_every),
         eval_every=check.get(t, "train.eval_every", positive, d.eval_every),
         eval_prompts=check.get(t, "train.eval_prompts", positive, d.eval_prompts),

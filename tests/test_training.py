@@ -22,7 +22,7 @@ from specgen.checkpoints.loading import load_draft
 from specgen.recipe import TrainSpec, recipe_from_dict
 from specgen.training.blocks import block_logits, sample_anchors
 from specgen.training.features import padded_batch, target_features
-from specgen.training.methods import TRAINERS
+from specgen.training.methods import TRAINERS, mask_candidates
 from specgen.training.unroll import unrolled_hidden
 
 TARGET = tiny_llama_config()          # 6 layers, hidden 64, vocab 96
@@ -203,6 +203,20 @@ def test_training_lowers_the_loss_and_exports_a_runnable_draft(method, byte_targ
     assert record["best_k"] in (1, 2, 3)
 
 
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("mask_token_id", 300, "recipe.train.mask_token_id: 300 is not a row of the target embedding"),
+    ("feature_layers", 7, "recipe.train.feature_layers: 7 exceeds the target's 6 layers")])
+def test_dflash_fields_naming_target_rows_fail_before_any_data(byte_target, tmp_path, monkeypatch, field, value,
+                                                               message):
+    from specgen.training.trainer import TrainError, train_draft
+
+    root, target_dir = byte_target
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(TrainError, match=message):
+        train_draft(recipe_from_dict(train_recipe(root, target_dir, "dflash", tmp_path / "d", **{field: value})))
+    assert not (tmp_path / "cache" / "distill").exists()
+
+
 def test_an_interrupted_training_resumes_from_its_checkpoint(byte_target, cache, tmp_path):
     """Killed at step 12, resumed: the result is the uninterrupted run's, bit for bit."""
     from safetensors.torch import load_file
@@ -304,6 +318,49 @@ def test_train_fields_are_checked_per_method():
         recipe_from_dict({"target": {"model": "m"}, "train": {"epochs": 0}})
     recipe = recipe_from_dict({**base, "train": {"ttt_steps": 2}})
     assert recipe.train.ttt_steps == 2 and recipe_from_dict(recipe.to_dict()) == recipe
+    with pytest.raises(RecipeError, match="recipe.train.mask_token_id: applies to draft.method dflash only"):
+        recipe_from_dict({**base, "train": {"mask_token_id": 16}})
+    dflash = {**base, "draft": {"method": "dflash", "model": "out"}}
+    with pytest.raises(RecipeError, match="recipe.train.feature_layers: must be >= 1"):
+        recipe_from_dict({**dflash, "train": {"feature_layers": 0}})
+    recipe = recipe_from_dict({**dflash, "train": {"mask_token_id": 16, "feature_layers": 5}})
+    assert (recipe.train.mask_token_id, recipe.train.feature_layers) == (16, 5)
+
+
+class _Added:
+    def __init__(self, special: bool) -> None:
+        self.special = special
+
+
+class _Tokenizer:
+    """What mask_candidates reads of a transformers tokenizer."""
+
+    def __init__(self, size: int, special: dict[int, bool]) -> None:
+        self.size, self.added_tokens_decoder = size, {i: _Added(s) for i, s in special.items()}
+        self.all_special_ids = [0]
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def test_the_dflash_mask_token_is_a_row_that_means_nothing(target):
+    # rows past the tokenizer first (never produced), then special tokens no sequence holds, highest id first
+    tokenizer = _Tokenizer(90, {0: True, 1: True, 2: True, 3: True, 4: False})
+    sequences = [[1, 20, 21, 0], [1, 3, 22]]
+    assert mask_candidates(tokenizer, 96, sequences) == (90, 91, 92, 93, 94, 95, 2)
+    full = _Tokenizer(96, {0: True, 1: True, 2: True, 3: True, 4: False})
+    assert mask_candidates(full, 96, sequences) == (2,)
+    dflash, target_shape, counts = TRAINERS["dflash"], target.shape, torch.ones(V)
+    config, _ = dflash.new_config(target_shape, SPEC, counts, (2,))
+    assert config["dflash_config"]["mask_token_id"] == 2
+    # a tokenizer with no such row: the vocabulary's last (what the shipped draft has)
+    config, _ = dflash.new_config(target_shape, SPEC, counts, ())
+    assert config["dflash_config"]["mask_token_id"] == V - 1
+    # the recipe's choice wins; feature layers: 5 by default (distinct, within the target), or as asked
+    config, _ = dflash.new_config(target_shape, replace(SPEC, mask_token_id=7, feature_layers=2), counts, (2,))
+    assert config["dflash_config"] == {"mask_token_id": 7, "target_layer_ids": [1, TARGET["num_hidden_layers"] - 3]}
+    config, _ = dflash.new_config(target_shape, SPEC, counts, ())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 2, 3]        # 6 layers: 1 .. 3, 5 asked
 
 
 def test_train_draft_needs_a_train_section(tmp_path):

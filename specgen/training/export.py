@@ -91,7 +91,9 @@ def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: to
                       f"times; reduced vocabulary of {config.get('draft_vocab_size')} tokens)",
             "dflash": f"a DFlash block-diffusion draft ({config.get('num_hidden_layers')} layers, block "
                       f"{config.get('block_size')}: one non-causal pass drafts up to "
-                      f"{int(config.get('block_size', 2)) - 1} tokens)",
+                      f"{int(config.get('block_size', 2)) - 1} tokens; reads target layers "
+                      f"{(config.get('dflash_config') or {}).get('target_layer_ids')}, mask token id "
+                      f"{(config.get('dflash_config') or {}).get('mask_token_id')})",
             "mtp": "an MTP layer (DeepSeek-V3 style multi-token prediction, Llama block), chained K times"}
     how = {"eagle3": f"training-time test over {spec.ttt_steps} unrolled passes, loss weights "
                      f"{spec.ttt_decay} ** i",

@@ -1,8 +1,10 @@
 """What differs between draft methods when training: a fresh config, the loss, the exported layout.
 
 Contract: `TRAINERS[method]` is a `MethodTrainer` with
-- `new_config(shape, spec, token_counts) -> (hf_config, extra)`: the draft's HF config in the
-  target's shape (`extra` holds tensors the config implies, EAGLE-3's vocabulary map);
+- `new_config(shape, spec, token_counts, unused_ids) -> (hf_config, extra)`: the draft's HF config
+  in the target's shape (`extra` holds tensors the config implies, EAGLE-3's vocabulary map;
+  `token_counts` [V]: answer-token frequencies; `unused_ids`: rows no training sequence contains,
+  best mask token first, `mask_candidates`);
 - `build(config, extra, target, k) -> draft`: random weights (fp32, trainable), via the same
   builders `specgen run` loads with (drafts/*.py), so training and inference share one module;
 - `loss(draft, aux, tokens, scored, spec, generator) -> (loss, correct [P], count [P])`: the
@@ -16,7 +18,11 @@ Methods (each as its reference trains it):
   tokens (`d2t[i] = target_id - i`, `t2d[target_id]` = in the draft vocabulary), which also
   takes the full-vocabulary head out of every chained pass.
 - DFlash: random anchors, `[anchor, MASK x K]` blocks under the inference mask, position-decayed
-  cross-entropy (training/blocks.py). The mask token is the target vocabulary's last id.
+  cross-entropy (training/blocks.py). The mask token is `train.mask_token_id`, else a row that means
+  nothing (`mask_candidates`: the references use an unused row or a special token; an ordinary
+  subword's embedding, which the draft reads through the target's, is a word to it); it reads
+  `train.feature_layers` target layers (default 5, as the published drafts do), spread as z-lab
+  spreads them.
 - MTP: the next-next-token loss (feature of t, token t + 1, predicts t + 2), and the same loss on
   `ttt_steps - 1` further unrolled passes, since specgen chains the one layer K times.
 """
@@ -63,7 +69,7 @@ def _layer_keys(state: dict[str, torch.Tensor], prefix: str, heads: int, kv_head
 # ------------------------------------------------------------------------------------------ EAGLE-3
 
 
-def _eagle3_config(shape: TargetShape, spec, token_counts: torch.Tensor) -> tuple[dict, dict]:
+def _eagle3_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_ids=()) -> tuple[dict, dict]:
     config = eagle3.dummy_eagle3_config(shape)
     size = min(spec.draft_vocab_size, shape.vocab_size)
     # The most frequent answer tokens, in id order (ties broken by id: deterministic).
@@ -103,14 +109,40 @@ def _eagle3_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------- DFlash
 
 
-def _dflash_config(shape: TargetShape, spec, token_counts: torch.Tensor) -> tuple[dict, dict]:
+DFLASH_FEATURE_LAYERS = 5     # target layers a DFlash draft reads by default (z-lab's published drafts)
+
+
+def mask_candidates(tokenizer, vocab_size: int, sequences: list[list[int]]) -> tuple[int, ...]:
+    """Rows a DFlash mask token can take that mean nothing to the target, best first: embedding rows
+    past the tokenizer's vocabulary (never produced; z-lab's Qwen3 drafts use the first, 151669), then
+    the tokenizer's special tokens that no training sequence (prompt or answer) contains, highest id
+    first (reserved tokens come last: Llama-3's `<|reserved_special_token_*|>`, SmolLM2's
+    `<empty_output>`, id 16)."""
+    size = min(len(tokenizer), vocab_size) if hasattr(tokenizer, "__len__") else vocab_size
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    special = {int(i) for i, token in added.items() if getattr(token, "special", False)}
+    special |= set(getattr(tokenizer, "all_special_ids", ()) or ())
+    seen = set()
+    for ids in sequences:
+        seen.update(ids)
+    quiet = sorted((i for i in special if 0 <= i < size and i not in seen), reverse=True)
+    return tuple(range(size, vocab_size)) + tuple(quiet)
+
+
+def _dflash_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_ids=()) -> tuple[dict, dict]:
     config = dflash.dummy_dflash_config(shape)
     layers = spec.layers
     config.update({"num_hidden_layers": layers, "block_size": spec.block_size,
                    "layer_types": ["full_attention"] * layers})
+    if spec.mask_token_id is not None:
+        mask = spec.mask_token_id
+    else:
+        mask = unused_ids[0] if unused_ids else shape.vocab_size - 1
+    features = min(spec.feature_layers or DFLASH_FEATURE_LAYERS, shape.num_layers)
     config["dflash_config"] = {
-        "mask_token_id": shape.vocab_size - 1,
-        "target_layer_ids": list(dflash.default_target_layer_ids(shape.num_layers, layers)),
+        "mask_token_id": int(mask),
+        # distinct: a shallow target has fewer layers between 1 and L - 3 than features asked
+        "target_layer_ids": sorted(set(dflash.default_target_layer_ids(shape.num_layers, features))),
     }
     return config, {}
 
@@ -136,7 +168,7 @@ def _dflash_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
 # ---------------------------------------------------------------------------------------------- MTP
 
 
-def _mtp_config(shape: TargetShape, spec, token_counts: torch.Tensor) -> tuple[dict, dict]:
+def _mtp_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_ids=()) -> tuple[dict, dict]:
     return mtp.dummy_mtp_config(shape), {}
 
 

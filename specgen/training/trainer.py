@@ -39,7 +39,7 @@ from specgen.training.distill import (DistillSpec, distill_folder, distilled_res
 from specgen.training.evaluate import KResult, heldout_agreement, measure_acceptance
 from specgen.training.export import write_card, write_checkpoint
 from specgen.training.features import padded_batch, target_features
-from specgen.training.methods import TRAINERS
+from specgen.training.methods import TRAINERS, mask_candidates
 
 
 class TrainError(Exception):
@@ -103,6 +103,16 @@ def batch_order(sizes: list[int], batch_size: int, epochs: float, seed: int) -> 
     return order[:total]
 
 
+def _check_target_fit(spec, shape) -> None:
+    """The train fields that name rows or layers of the target, against it."""
+    if spec.mask_token_id is not None and spec.mask_token_id >= shape.vocab_size:
+        raise TrainError(f"recipe.train.mask_token_id: {spec.mask_token_id} is not a row of the target "
+                         f"embedding (vocab_size {shape.vocab_size})")
+    if spec.feature_layers is not None and spec.feature_layers > shape.num_layers:
+        raise TrainError(f"recipe.train.feature_layers: {spec.feature_layers} exceeds the target's "
+                         f"{shape.num_layers} layers")
+
+
 def _draft_k(method: str, spec) -> int:
     return spec.block_size - 1 if method == "dflash" else spec.ttt_steps
 
@@ -137,6 +147,9 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         raise TrainError(str(err)) from err
     dtype = train_dtype(spec, r.device)
     dtype_name = str(dtype).removeprefix("torch.")
+    # the fields naming rows or layers of the target, before hours of data generation
+    _check_target_fit(spec, load_target(r.target_config, r.target_folder, dtype=dtype, device="meta",
+                                        dummy=True).shape)
 
     # 1. data: the target's own answers (cached; shared by every draft method)
     started = time.perf_counter()
@@ -190,7 +203,8 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     # 3. a fresh draft, or the checkpoint of an interrupted run
     trainer = TRAINERS[method]
     k = _draft_k(method, spec)
-    config, extra = trainer.new_config(target.shape, spec, counts)
+    unused = mask_candidates(tokenizer, target.vocab_size, [ids for ids, _ in train + heldout])
+    config, extra = trainer.new_config(target.shape, spec, counts, unused)
     draft = trainer.build(config, extra, target, k)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=spec.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=spec.weight_decay)
