@@ -1,15 +1,14 @@
 """Can the DFlash trainer fit a handful of sequences? A bug check, not a training run.
 
 A DFlash draft trained on a few of the target's own answers, every step on the same sequences, must
-learn them: its top-1 agreement at block position 1 on those very sequences has to pass 90% (the
-references' drafts reach it on their training data). Far below that, something between the
-target's features, the block mask, the labels and the mask token is wrong, and no amount of data
-will help. The script also compares settings side by side (mask token, feature layers, anchors per
-sequence), each from the same seed, on the same sequences: what `train.mask_token_id`,
-`train.feature_layers` and `train.anchors` change once data is not the limit.
+learn them: its top-1 agreement at block position 1 on those very sequences has to pass 90%. Far
+below that, and not rising, something between the target's features, the block mask, the labels
+and the mask token is wrong, and no amount of data will help. The script also compares settings side by side (mask token, feature layers, anchors per
+sequence), each from the same seed, on the same sequences: how fast each fits, which says nothing
+yet about held-out acceptance (that needs `train-draft` on real data).
 
     python benchmarks/dflash_overfit.py [--sequences 8] [--steps 150] [--anchors 64]
-        [--settings default mask=49151 features=2] [--answer-tokens 128]
+        [--settings default mask=49151,features=2 anchors=32] [--answer-tokens 128] [--lr 3e-3]
 
 Each setting prints the loss and the per-position agreement every `--every` steps, and a last line
 `setting: position-1 agreement X% after N steps (PASS/FAIL at 90%)`. The answers come from
