@@ -3,8 +3,8 @@
 A DFlash draft trained on a few of the target's own answers, every step on the same sequences, must
 learn them: its top-1 agreement at block position 1 on those very sequences has to pass 90%. Far
 below that, and not rising, something between the target's features, the block mask, the labels
-and the mask token is wrong, and no amount of data will help. The script also compares settings side by side (mask token, feature layers, anchors per
-sequence), each from the same seed, on the same sequences: how fast each fits, which says nothing
+and the mask token is wrong, and no amount of data will help. The script also compares settings
+side by side (mask token, feature layers, anchors per sequence), each from the same seed, on the same sequences: how fast each fits, which says nothing
 yet about held-out acceptance (that needs `train-draft` on real data).
 
     python benchmarks/dflash_overfit.py [--sequences 8] [--steps 150] [--anchors 64]
@@ -23,11 +23,11 @@ from dataclasses import replace
 
 import torch
 
+from specgen.checkpoints.loading import load_target
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.job import resolve
-from specgen.checkpoints.loading import load_target
 from specgen.recipe import load_recipe
-from specgen.training.distill import DistillSpec, distilled_responses, training_sequences
+from specgen.training.distill import DistillSpec, answer_token_counts, distilled_responses, training_sequences
 from specgen.training.evaluate import heldout_agreement
 from specgen.training.features import padded_batch, target_features
 from specgen.training.methods import TRAINERS, mask_candidates
@@ -70,9 +70,7 @@ def main() -> None:
     results = distilled_responses(data)
     sequences = training_sequences(results, results.parent / "prompts.jsonl", tokenizer, recipe.chat_template,
                                    spec.max_seq_len)[: args.sequences]
-    counts = torch.zeros(target.vocab_size, dtype=torch.long)
-    for ids, prompt in sequences:
-        counts += torch.bincount(torch.tensor(ids[prompt:]), minlength=target.vocab_size)
+    counts = answer_token_counts(sequences, target.vocab_size)
     unused = mask_candidates(tokenizer, target.vocab_size, [ids for ids, _ in sequences])
     answer = sum(len(ids) - prompt for ids, prompt in sequences)
     print(f"{len(sequences)} sequences, {answer} answer tokens; mask candidates {list(unused[:3])}", flush=True)

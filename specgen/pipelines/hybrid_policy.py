@@ -24,7 +24,8 @@ decides, pipelines/host_policy.py): chosen where its rate beats the model step's
 blocks counted, at each variant's measured cost. A model step its policy chose as the best estimate
 (not a probe) runs only where its rate, the slots' suffix blocks counted, beats the plain step's by
 that margin too (host_policy.margin); else the step is plain (`held_back` in the stats). And where
-the model's policy runs a plain step (its draft alone does not pay), a model step that runs without compiling is taken for the slots' suffix
+the model's policy runs a plain step (its draft alone does not pay), a model step that runs without
+compiling is taken for the slots' suffix
 blocks where its rate with them beats the plain step's by the margin suffix alone asks: its draft
 rows are then the price of a variant already compiled. A pinned K runs the model's step of K, or,
 where every live slot takes the host's block, the verify of K + 1 rows alone (compiled beside it).
@@ -96,7 +97,7 @@ class HybridPolicy:
                 # estimate accepts less than estimated, and at par these steps lost (a pinned
                 # eagle3+suffix K=3 on held-out ShareGPT: its model-only steps 33.4 tok/s, plain
                 # steps 38). Its probes still run: they are how it measures its acceptance.
-                plan, expected, k, rate = Plan(0), 0.0, 0, n / plain
+                plan, k, rate = Plan(0), 0, n / plain
                 self.held_back += 1
             options = []
             if k == 0 and plain:

@@ -11,7 +11,8 @@ chat template) but not the number of prompts: asking for more prompts later resu
 and the three draft methods share one generation pass.
 
 `training_sequences(path, tokenizer, ...)` turns the results back into token sequences (prompt ids
-through the same chat template, then the answer ids, EOS included when the answer stopped).
+through the same chat template, then the answer ids, EOS included when the answer stopped);
+`answer_token_counts` counts their answer tokens (EAGLE-3's draft vocabulary is the most frequent).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from specgen.checkpoints.store import cache_root, resolve_checkpoint
 from specgen.data import PromptRecord, read_prompts, tokenize_prompt
@@ -118,3 +121,11 @@ def training_sequences(results: Path, prompts: Path, tokenizer, chat_template: b
             if len(ids) < len(sequence) - 1:        # at least two answer tokens to learn from
                 out.append((sequence, len(ids)))
     return out
+
+
+def answer_token_counts(sequences: list[tuple[list[int], int]], vocab_size: int) -> torch.Tensor:
+    """[vocab_size] int64: how often each token occurs in the answers of (ids, prompt length) pairs."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, prompt in sequences:
+        counts += torch.bincount(torch.tensor(ids[prompt:], dtype=torch.long), minlength=vocab_size)
+    return counts

@@ -34,8 +34,8 @@ from specgen.checkpoints.store import cache_root
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.machine import choose_threads, cpu_has_bf16
 from specgen.recipe import Recipe
-from specgen.training.distill import (DistillSpec, distill_folder, distilled_responses, target_fingerprint,
-                                      training_sequences)
+from specgen.training.distill import (DistillSpec, answer_token_counts, distill_folder, distilled_responses,
+                                      target_fingerprint, training_sequences)
 from specgen.training.evaluate import KResult, heldout_agreement, measure_acceptance
 from specgen.training.export import write_card, write_checkpoint
 from specgen.training.features import padded_batch, target_features
@@ -196,9 +196,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     if not train:
         raise TrainError("the target produced no usable training answers (check train.prompts and "
                          "train.max_prompt_chars)")
-    counts = torch.zeros(target.vocab_size, dtype=torch.long)
-    for ids, prompt in train:
-        counts += torch.bincount(torch.tensor(ids[prompt:]), minlength=target.vocab_size)
+    counts = answer_token_counts(train, target.vocab_size)
 
     # 3. a fresh draft, or the checkpoint of an interrupted run
     trainer = TRAINERS[method]
