@@ -51,6 +51,7 @@ class PromptRecord:
     messages: list[dict] | None = None
     max_tokens: int | None = None
     error: str | None = None
+    reply: str | None = None  # ShareGPT: the conversation's own next turn (another model's answer)
 
 
 # --- reading prompts -------------------------------------------------------------------------
@@ -230,7 +231,8 @@ def sharegpt_split(split: str) -> Iterator[PromptRecord]:
 
 
 def sharegpt_record(conversation: Any, n: int) -> PromptRecord | None:
-    """The first human turn of one ShareGPT conversation, or None when it has none to use."""
+    """The first human turn of one ShareGPT conversation, or None when it has none to use (with the
+    assistant's reply to it, when the next turn is one: `train.dataset_answers` learns from it)."""
     if not isinstance(conversation, dict):
         return None
     turns = conversation.get("conversations")
@@ -242,7 +244,10 @@ def sharegpt_record(conversation: Any, n: int) -> PromptRecord | None:
         return None
     raw_id = conversation.get("id")
     record_id = str(raw_id) if isinstance(raw_id, str | int) and raw_id != "" else f"line-{n}"
-    return PromptRecord(id=record_id, line=n, messages=[{"role": "user", "content": text}])
+    answer = turns[1] if len(turns) > 1 and isinstance(turns[1], dict) else {}
+    reply = answer.get("value") if answer.get("from") == "gpt" else None
+    return PromptRecord(id=record_id, line=n, messages=[{"role": "user", "content": text}],
+                        reply=reply if isinstance(reply, str) and reply.strip() else None)
 
 
 def iter_json_array(f: BinaryIO, chunk_size: int = 1 << 20) -> Iterator[Any]:

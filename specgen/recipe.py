@@ -161,6 +161,7 @@ class TrainSpec:
     answer_tokens: int = 256          # max tokens of each answer
     max_prompt_chars: int = 1500      # longer first turns are skipped
     generation_batch_size: int = 96
+    dataset_answers: float = 0.0      # plus ShareGPT's own replies (off-policy), this many per target answer
     dtype: str = "auto"               # target features and autocast: auto = bfloat16 where the CPU has it
     heldout_prompts: int = 64         # held-out answers for top-1 agreement while training
     epochs: float = 2.0
@@ -173,7 +174,7 @@ class TrainSpec:
     grad_clip: float = 1.0
     ttt_steps: int = 5                # eagle3, mtp: unrolled chain passes
     ttt_decay: float = 0.8            # eagle3, mtp: loss weight of pass i is ttt_decay ** i
-    draft_vocab_size: int = 8192      # eagle3: most frequent answer tokens kept
+    draft_vocab_size: int = 8192      # most frequent answer tokens the draft scores (d2t / t2d)
     layers: int = 2                   # dflash: draft layers
     block_size: int = 8               # dflash: anchor + K masks
     anchors: int = 32                 # dflash: blocks per sequence
@@ -184,6 +185,7 @@ class TrainSpec:
     eval_every: int = 50              # optimizer steps between held-out agreement measurements
     eval_prompts: int = 24            # held-out prompts of the final acceptance measurement
     eval_ks: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    eval_prompt_sets: list[str] = field(default_factory=list)   # more JSONL prompt files the card measures
     eval_max_tokens: int = 128
     export_dtype: str = "bfloat16"
     seed: int = 0
@@ -191,7 +193,7 @@ class TrainSpec:
 
 # Which train fields apply to which draft method only.
 TRAIN_FIELDS_OF = {"ttt_steps": ("eagle3", "mtp"), "ttt_decay": ("eagle3", "mtp"),
-                   "draft_vocab_size": ("eagle3",), "layers": ("dflash",), "block_size": ("dflash",),
+                   "layers": ("dflash",), "block_size": ("dflash",),
                    "anchors": ("dflash",), "loss_gamma": ("dflash",), "mask_token_id": ("dflash",),
                    "feature_layers": ("dflash",)}
 
@@ -604,6 +606,12 @@ def _positive_list(value: object) -> list[int]:
     return [_integer(1, MAX_NUM_SPECULATIVE_TOKENS)(v) for v in value]
 
 
+def _string_list(value: object) -> list[str]:
+    if not isinstance(value, list):
+        raise _Bad(f"expected a list of file paths, got {_show(value)}")
+    return [_string(v) for v in value]
+
+
 def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_model: str | None) -> TrainSpec | None:
     if data.get("train") is None:
         return None
@@ -619,6 +627,8 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
         answer_tokens=check.get(t, "train.answer_tokens", positive, d.answer_tokens),
         max_prompt_chars=check.get(t, "train.max_prompt_chars", _integer(16), d.max_prompt_chars),
         generation_batch_size=check.get(t, "train.generation_batch_size", positive, d.generation_batch_size),
+        dataset_answers=check.get(t, "train.dataset_answers", _in_range(_number, lambda x: x >= 0, "must be >= 0"),
+                                  d.dataset_answers),
         dtype=check.get(t, "train.dtype", _choice(DTYPES), d.dtype),
         heldout_prompts=check.get(t, "train.heldout_prompts", positive, d.heldout_prompts),
         epochs=check.get(t, "train.epochs", above_zero, d.epochs),
@@ -645,6 +655,7 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
         eval_prompts=check.get(t, "train.eval_prompts", positive, d.eval_prompts),
         eval_ks=check.get(t, "train.eval_ks", _positive_list, d.eval_ks),
         eval_max_tokens=check.get(t, "train.eval_max_tokens", positive, d.eval_max_tokens),
+        eval_prompt_sets=check.get(t, "train.eval_prompt_sets", _string_list, d.eval_prompt_sets),
         export_dtype=check.get(t, "train.export_dtype", _choice(DTYPES[1:]), d.export_dtype),
         seed=check.get(t, "train.seed", _integer(0), d.seed),
     )

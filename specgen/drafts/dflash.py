@@ -36,6 +36,10 @@ Conventions here:
   `dflash_config`, else the reference default `build_target_layer_ids(num_target_layers,
   num_hidden_layers)`: n = the draft's layer count, n == 1 -> [L // 2], otherwise n ids evenly
   spaced from 1 to L - 3, rounded (z-lab `model/dflash.py` at a3516f8).
+- A reduced draft vocabulary (specgen's extension, drafts/vocab.py): `draft_vocab_size` at top level
+  and `d2t` / `t2d` beside the weights. The head is then the target head's `d2t` rows, gathered at
+  load, and every block position pays Vd rows instead of V; a loader without the extension ignores
+  both and scores the full vocabulary with the same head.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgen.drafts.base import DraftBuilder, Pick, TargetFit, read_draft_config
+from specgen.drafts.vocab import read_draft_vocab_size, take_d2t, to_target_logits
 from specgen.kernels import attention as attention_kernel
 from specgen.models.attention import AttentionBatch, KVCache, kernel_splits
 from specgen.models.layers import (
@@ -54,6 +59,7 @@ from specgen.models.layers import (
     RMSNorm,
     RopeSettings,
     apply_rope,
+    float32_logits,
     fuse_attention_and_mlp_keys,
     rope_cos_sin,
     rope_inv_freq,
@@ -93,6 +99,8 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     sliding_windows: tuple[int | None, ...]   # per layer; None = full attention
     causal: tuple[bool, ...]                  # per layer: causal inside the block
+    vocab_size: int                           # the target's (the draft scores with its head)
+    draft_vocab_size: int                     # < vocab_size: the head's d2t rows only
     attention_bias: bool = False
 
     @classmethod
@@ -158,6 +166,8 @@ class DFlashConfig:
             target_layer_ids=ids,
             sliding_windows=tuple(windows),
             causal=tuple(causal),
+            vocab_size=target_vocab,
+            draft_vocab_size=read_draft_vocab_size(config, target_vocab),
             attention_bias=bool(config.get("attention_bias", False)),
         )
 
@@ -280,9 +290,24 @@ class DFlashDraft(nn.Module):
         # Held outside the module tree: the target's weights are neither saved nor loaded here.
         self._target = (target,)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
+        # a reduced vocabulary: draft id -> target id [Vd], and the head's rows for it [Vd, H]
+        self.register_buffer("draft_to_target", None, persistent=False)
+        self.register_buffer("head_rows", None, persistent=False)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.draft_vocab_size != self.config.vocab_size
 
     def init_buffers(self, device) -> None:
         self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
+        if self.reduced_vocab:          # the first Vd ids until the checkpoint's d2t says which
+            self.select_vocabulary(torch.arange(self.config.draft_vocab_size, device=device))
+
+    def select_vocabulary(self, mapping: torch.Tensor) -> None:
+        # mapping: [Vd] target ids -> the rows of the target's head that the draft scores (a copy)
+        head = self._target[0].output_embedding.detach()
+        self.draft_to_target = mapping.to(head.device)
+        self.head_rows = head[self.draft_to_target].to(self.fc.weight.dtype)
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.config
@@ -342,9 +367,19 @@ class DFlashDraft(nn.Module):
         masks = anchors.new_full((anchors.shape[0], k), self.mask_token_id)
         return self._target[0].embed(torch.cat((anchors, masks), 1))
 
-    def block_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        # The target's lm_head on the draft's own norm; the target's final norm is not applied.
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., H] -> [..., Vd] float32 over the draft vocabulary: the target's lm_head (its
+        # d2t rows when reduced) on the draft's own norm; the target's final norm is not applied.
+        if self.reduced_vocab:
+            return float32_logits(self.norm(hidden), self.head_rows)
         return self._target[0].head(self.norm(hidden))
+
+    def block_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [..., H] -> [..., V] float32 over the target vocabulary (-inf outside the draft's)
+        logits = self.draft_logits(hidden)
+        if not self.reduced_vocab:
+            return logits
+        return to_target_logits(logits, self.draft_to_target, self.config.vocab_size)
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 last_index: torch.Tensor, cache: KVCache, attn: AttentionBatch, pick: Pick,
@@ -397,10 +432,15 @@ def build_dflash_draft(config: dict, state: dict[str, torch.Tensor] | None, targ
     k = cfg.block_size - 1 if num_speculative_tokens is None else int(num_speculative_tokens)
     if not 1 <= k <= cfg.block_size - 1:
         raise ValueError(f"num_speculative_tokens {k} must be in 1..block_size - 1 = {cfg.block_size - 1}")
+    mapping = None
     if state is not None:
         state = convert_dflash_state_dict(state, cfg)
-    return build(lambda: DFlashDraft(cfg, k, target), state, dtype=dtype, device=device, seed=seed,
-                 where=where)
+        mapping = take_d2t(state, cfg.draft_vocab_size, cfg.vocab_size, where)
+    draft = build(lambda: DFlashDraft(cfg, k, target), state, dtype=dtype, device=device, seed=seed,
+                  where=where)
+    if mapping is not None:
+        draft.select_vocabulary(mapping)
+    return draft
 
 
 METHOD = DraftBuilder(DFlashConfig, build_dflash_draft, dummy_dflash_config)

@@ -30,6 +30,7 @@ from torch import nn
 
 from specgen.drafts.base import DraftBuilder, Pick, TargetFit, default_aux_layer_ids, read_draft_config
 from specgen.drafts.chain import chain_propose
+from specgen.drafts.vocab import read_draft_vocab_size, take_d2t, to_target_logits
 from specgen.errors import CheckpointError
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
@@ -47,7 +48,6 @@ from specgen.models.layers import (
 from specgen.models.materialise import build
 from specgen.models.mla import LatentAttention, LatentCache, MlaDims
 from specgen.models.protocol import TargetShape
-from specgen.models.tensor_header import TensorHeader
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
 
@@ -99,7 +99,7 @@ class Eagle3Config:
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope=RopeSettings.from_hf(config),
             vocab_size=vocab,
-            draft_vocab_size=int(config.get("draft_vocab_size") or vocab),
+            draft_vocab_size=read_draft_vocab_size(config, vocab),
             aux_layer_ids=ids,
             norm_before_residual=bool(config.get("norm_before_residual", False)),
             mla=MlaDims.from_hf(config) if config.get("kv_lora_rank") else None,
@@ -188,8 +188,7 @@ class Eagle3Draft(nn.Module):
         # [B, Vd] -> [B, V]; tokens outside the draft vocabulary can never be drafted (-inf).
         if not self.reduced_vocab:
             return draft_logits
-        full = draft_logits.new_full((draft_logits.shape[0], self.config.vocab_size), float("-inf"))
-        return full.index_copy(1, self.draft_to_target, draft_logits)
+        return to_target_logits(draft_logits, self.draft_to_target, self.config.vocab_size)
 
     def first_feature(self, aux: torch.Tensor) -> torch.Tensor:
         # aux: [B, T, 3 * H_target] low|mid|high -> the first pass's feature [B, T, H]
@@ -227,38 +226,11 @@ def convert_eagle3_state_dict(state: dict[str, torch.Tensor], cfg: Eagle3Config,
     prefix = next((p for p in LAYER_PREFIXES if any(k.startswith(p) for k in state)), None)
     if prefix is None:
         raise CheckpointError(f"{where}: no EAGLE-3 decoder layer (keys under midlayer.* or layers.0.*)")
-    out: dict[str, torch.Tensor] = {}
-    d2t = state.get("d2t")
-    for key, tensor in state.items():
-        if key in ("d2t", "t2d"):
-            continue
-        out["layer." + key[len(prefix):] if key.startswith(prefix) else key] = tensor
+    out = {("layer." + key[len(prefix):] if key.startswith(prefix) else key): tensor
+           for key, tensor in state.items()}
+    mapping = take_d2t(out, cfg.draft_vocab_size, cfg.vocab_size, where)
     fuse_attention_and_mlp_keys(out, "layer.")
-    if cfg.draft_vocab_size != cfg.vocab_size:
-        if d2t is None:
-            raise CheckpointError(f"{where}: draft_vocab_size {cfg.draft_vocab_size} < vocab_size "
-                                  f"{cfg.vocab_size} but the checkpoint has no d2t")
-        _check_d2t_shape(d2t, cfg, where)
-        # a dry load checks shapes only (the range is data: inspect-checkpoint reads d2t for it)
-        return out, None if isinstance(d2t, TensorHeader) else draft_to_target(d2t, cfg, where)
-    return out, None
-
-
-def draft_to_target(d2t: torch.Tensor, cfg: Eagle3Config, where: str) -> torch.Tensor:
-    """The checkpoint's `d2t` offsets -> the draft->target id map [Vd], checked to land inside the
-    target vocabulary."""
-    _check_d2t_shape(d2t, cfg, where)
-    mapping = torch.arange(cfg.draft_vocab_size, device=d2t.device) + d2t.long()
-    low, high = int(mapping.min()), int(mapping.max())
-    if low < 0 or high >= cfg.vocab_size:
-        raise CheckpointError(f"{where}: d2t maps draft ids to {low}..{high}, outside the target vocabulary "
-                              f"0..{cfg.vocab_size - 1}")
-    return mapping
-
-
-def _check_d2t_shape(d2t, cfg: Eagle3Config, where: str) -> None:
-    if tuple(d2t.shape) != (cfg.draft_vocab_size,):
-        raise CheckpointError(f"{where}: d2t has shape {list(d2t.shape)}, expected [{cfg.draft_vocab_size}]")
+    return out, mapping
 
 
 def dummy_eagle3_config(t: TargetShape) -> dict:

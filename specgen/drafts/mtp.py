@@ -30,6 +30,10 @@ checkpoint (then `config` is the target's config.json) or in a separate folder w
 names and its own config.json; the loader hands this module the tensors under that prefix.
 Only `num_nextn_predict_layers` == 1 is supported. `embed_tokens` and `shared_head.head` are optional:
 absent (or equal to the target's, as DeepSeek stores duplicates) they are shared with the target.
+A reduced draft vocabulary (specgen's extension, drafts/vocab.py): `draft_vocab_size` in the config
+and `d2t` / `t2d` under the layer's prefix; the head is then the `d2t` rows of the full head (the
+shared one or its own), gathered at load, so each chained pass pays Vd rows instead of V. A loader
+without the extension ignores both and scores the full vocabulary with the same head.
 
 The block is pluggable (`MTP_BLOCKS`, keyed by `model_type`): a block module exposes
 `decode(h [B, T, H], positions [B, T], attention) -> [B, T, H]` (`attention` binds the keys:
@@ -49,6 +53,7 @@ from torch import nn
 
 from specgen.drafts.base import DraftBuilder, Pick, TargetFit, read_draft_config
 from specgen.drafts.chain import chain_propose
+from specgen.drafts.vocab import read_draft_vocab_size, take_d2t, to_target_logits
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
     Attention,
@@ -165,6 +170,7 @@ class MtpConfig:
     aux_layer_ids: tuple[int, ...]    # (L_target - 1,): the last layer's output, before the final norm
     block_type: str
     block: Any                        # the block's own config (LlamaConfig for "llama")
+    draft_vocab_size: int             # < vocab_size: the head's d2t rows only
 
     @classmethod
     def from_hf(cls, config: dict, *, target_layers: int, target_hidden: int,
@@ -187,6 +193,7 @@ class MtpConfig:
             aux_layer_ids=(target_layers - 1,),
             block_type=kind,
             block=MTP_BLOCKS[kind].read_config(config),
+            draft_vocab_size=read_draft_vocab_size(config, vocab),
         )
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -230,9 +237,25 @@ class MtpDraft(nn.Module):
         self.block = block
         self.shared_head = SharedHead(cfg, own_head)
         self._target = (target,)
+        # a reduced vocabulary: draft id -> target id [Vd], and the head's rows for it [Vd, H]
+        self.register_buffer("draft_to_target", None, persistent=False)
+        self.register_buffer("head_rows", None, persistent=False)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.draft_vocab_size != self.config.vocab_size
 
     def init_buffers(self, device) -> None:
         self.block.init_buffers(device)
+        if self.reduced_vocab:          # the first Vd ids until the checkpoint's d2t says which
+            self.select_vocabulary(torch.arange(self.config.draft_vocab_size, device=device))
+
+    def select_vocabulary(self, mapping: torch.Tensor) -> None:
+        # mapping: [Vd] target ids -> the rows of the full head that the draft scores (a copy)
+        own = self.shared_head.head
+        head = (own.weight if own is not None else self._target[0].output_embedding).detach()
+        self.draft_to_target = mapping.to(head.device)
+        self.head_rows = head[self.draft_to_target].to(self.eh_proj.weight.dtype)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens) if self.embed_tokens is not None else self._target[0].embed(tokens)
@@ -253,13 +276,20 @@ class MtpDraft(nn.Module):
         return self.pass_with(feature, tokens, attn.positions, cached(cache, 0, attn))
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [..., H] -> [..., V] float32 (the draft vocabulary is the target's)
+        # hidden: [..., H] -> [..., Vd] float32 over the draft vocabulary
         normed = self.shared_head.norm(hidden)
+        if self.reduced_vocab:
+            return float32_logits(normed, self.head_rows)
         if self.shared_head.head is None:
             return self._target[0].head(normed)
         return float32_logits(normed, self.shared_head.head.weight)
 
-    _logits = draft_logits
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, H] -> [B, V] float32 over the target vocabulary (-inf outside the draft's)
+        logits = self.draft_logits(hidden)
+        if not self.reduced_vocab:
+            return logits
+        return to_target_logits(logits, self.draft_to_target, self.config.vocab_size)
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 last_index: torch.Tensor, cache, attn: AttentionBatch, pick: Pick,
@@ -321,15 +351,21 @@ def build_mtp_draft(config: dict, state: dict[str, torch.Tensor] | None, target,
     sits inside the target checkpoint) and the tensors under `mtp_weight_prefix` (prefix stripped;
     None = random weights)."""
     cfg = read_draft_config(MtpConfig, config, target, where, "MTP")
+    mapping = None
     if state is not None:
+        state = dict(state)
+        mapping = take_d2t(state, cfg.draft_vocab_size, cfg.vocab_size, where)
         state = convert_mtp_state_dict(state, cfg)
         _drop_duplicate(state, "embed_tokens.weight", target.input_embedding, dtype)
         _drop_duplicate(state, "shared_head.head.weight", target.output_embedding, dtype)
     own_embedding = state is not None and "embed_tokens.weight" in state
     own_head = state is not None and "shared_head.head.weight" in state
-    return build(lambda: MtpDraft(cfg, MTP_BLOCKS[cfg.block_type].build(cfg.block), num_speculative_tokens,
-                                  target, own_embedding=own_embedding, own_head=own_head),
-                 state, dtype=dtype, device=device, seed=seed, where=where)
+    draft = build(lambda: MtpDraft(cfg, MTP_BLOCKS[cfg.block_type].build(cfg.block), num_speculative_tokens,
+                                   target, own_embedding=own_embedding, own_head=own_head),
+                  state, dtype=dtype, device=device, seed=seed, where=where)
+    if mapping is not None:
+        draft.select_vocabulary(mapping)
+    return draft
 
 
 METHOD = DraftBuilder(MtpConfig, build_mtp_draft, dummy_mtp_config, mtp_weight_prefix)

@@ -105,7 +105,7 @@ def _inspect_folder(located: Located, target: str | None, batch_size: int, max_s
     folder = located.folder
     config = _config(folder)
     headers = _headers(folder)
-    method = draft_method_of(config)
+    method = draft_method_of(config) or ("mtp" if _mtp_layer_alone(config, headers) else None)
     report = Inspection(str(folder), "safetensors", "draft" if method else "target",
                         architecture_name(config), method=method)
     report.layout = _layout(folder, headers, config)
@@ -117,6 +117,15 @@ def _inspect_folder(located: Located, target: str | None, batch_size: int, max_s
     else:
         _inspect_draft(report, config, folder, target, batch_size, max_seq_len)
     return report
+
+
+def _mtp_layer_alone(config: dict, headers: dict[str, TensorHeader]) -> bool:
+    """A folder that holds an MTP layer and nothing of a target (`train-draft`'s export: the
+    target's config, tensors under `model.layers.{N}.*` only) is an MTP draft."""
+    if not config.get("num_nextn_predict_layers") or "num_hidden_layers" not in config:
+        return False
+    prefix = DRAFT_METHODS["mtp"].builder().weight_prefix(config)
+    return all(name.startswith(prefix) for name in headers)
 
 
 def _config(folder: Path) -> dict:
@@ -257,8 +266,8 @@ def _inspect_draft(report: Inspection, config: dict, folder: Path, target: str |
         return
     fit_checks = [Check(c.name, c.ok, c.detail) for c in fit.checks]
     report.compatibility += fit_checks
-    if method == "eagle3" and dcfg.draft_vocab_size != dcfg.vocab_size and all(c.ok for c in fit_checks):
-        report.compatibility.append(_d2t_check(folder, dcfg))
+    if dcfg.draft_vocab_size != dcfg.vocab_size and all(c.ok for c in fit_checks):
+        report.compatibility.append(_d2t_check(folder, dcfg, builder.weight_prefix(config) + "d2t"))
     report.compatibility.append(_tokenizer_check(folder, t.folder))
     if all(c.ok for c in report.compatibility):
         weights: list[str] = []
@@ -279,6 +288,8 @@ def _standin_dims(method: str, config: dict, headers: dict[str, TensorHeader]) -
            (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
            or config.get("eagle_aux_hidden_state_layer_ids")) or []
     layers = int(config.get("num_target_layers") or (max(ids) + 1 if ids else 32))
+    if method == "mtp":          # an MTP draft's config is its target's
+        layers = int(config["num_hidden_layers"])
     return layers, hidden, vocab
 
 
@@ -326,15 +337,15 @@ def _pairing_check(target: _Target, method: str) -> Check:
     return Check("pairing", True, f"{method} drafts for {name}")
 
 
-def _d2t_check(folder: Path, dcfg) -> Check:
+def _d2t_check(folder: Path, dcfg, key: str) -> Check:
     from specgen.checkpoints.weights import read_tensors
-    from specgen.drafts.eagle3 import draft_to_target
+    from specgen.drafts.vocab import draft_to_target
 
     try:
-        d2t = read_tensors(weight_files(folder), prefix="d2t").get("d2t")
+        d2t = read_tensors(weight_files(folder), prefix=key).get(key)
         if d2t is None:
             return Check("d2t range", False, "draft_vocab_size is reduced but the checkpoint has no d2t")
-        mapping = draft_to_target(d2t, dcfg, str(folder))
+        mapping = draft_to_target(d2t, dcfg.draft_vocab_size, dcfg.vocab_size, str(folder))
     except CheckpointError as err:
         return Check("d2t range", False, str(err))
     return Check("d2t range", True, f"{dcfg.draft_vocab_size} draft ids map into target ids "

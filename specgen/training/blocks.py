@@ -40,7 +40,8 @@ def sample_anchors(scored: torch.Tensor, count: int, generator: torch.Generator)
 
 
 def block_logits(draft, aux: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-    """aux: [B, S, n * H]; tokens: [B, S]; anchors: [B, N] -> logits [B, N, K, V] (float32)."""
+    """aux: [B, S, n * H]; tokens: [B, S]; anchors: [B, N] -> logits [B, N, K, Vd] (float32) over
+    the draft vocabulary (`draft.block_head` maps them to the target's at inference)."""
     batch, length = tokens.shape
     count = anchors.shape[1]
     k = draft.num_speculative_tokens
@@ -56,12 +57,15 @@ def block_logits(draft, aux: torch.Tensor, tokens: torch.Tensor, anchors: torch.
         keys = keys.transpose(1, 2).repeat_interleave(count, 0)                # [B * N, Hkv, S, D]
         values = values.transpose(1, 2).repeat_interleave(count, 0)
         x = layer(x, cos_b, sin_b, keys, values, masks[i])
-    return draft.block_head(x[:, 1:]).view(batch, count, k, -1)
+    return draft.draft_logits(x[:, 1:]).view(batch, count, k, -1)
 
 
 def block_loss(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch.Tensor, anchors: torch.Tensor,
-               keep: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Position-decayed cross-entropy over every kept block; returns (loss, correct [K], count [K])."""
+               keep: torch.Tensor, gamma: float,
+               label_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Position-decayed cross-entropy over every kept block; returns (loss, correct [K], count [K]).
+    `label_map` [V]: target id -> draft id (-1 outside the draft vocabulary: such labels are skipped,
+    as they can never be drafted)."""
     batch, length = tokens.shape
     k = draft.num_speculative_tokens
     offsets = torch.arange(1, k + 1, device=tokens.device)
@@ -70,13 +74,17 @@ def block_loss(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch.Ten
     where = where.clamp(max=length - 1)
     labels = tokens.unsqueeze(1).expand(-1, anchors.shape[1], -1).gather(2, where)
     valid = keep.unsqueeze(-1) & inside & scored.unsqueeze(1).expand(-1, anchors.shape[1], -1).gather(2, where)
-    logits = block_logits(draft, aux, tokens, anchors)                        # [B, N, K, V]
+    scored_labels = valid                 # agreement counts a label outside the vocabulary as a miss
+    if label_map is not None:
+        labels = label_map[labels]
+        valid = valid & (labels >= 0)
+    logits = block_logits(draft, aux, tokens, anchors)                        # [B, N, K, Vd]
     weights = torch.exp(-(offsets - 1).float() / gamma) if gamma > 0 else torch.ones(k, device=tokens.device)
     ce = F.cross_entropy(logits[valid], labels[valid], reduction="none")
     w = weights.expand_as(valid)[valid]
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     right = (logits.argmax(-1) == labels) & valid
-    return loss, right.sum((0, 1)), valid.sum((0, 1))
+    return loss, right.sum((0, 1)), scored_labels.sum((0, 1))
 
 
 def default_gamma(block_size: int) -> float:

@@ -12,7 +12,9 @@ and the three draft methods share one generation pass.
 
 `training_sequences(path, tokenizer, ...)` turns the results back into token sequences (prompt ids
 through the same chat template, then the answer ids, EOS included when the answer stopped);
-`answer_token_counts` counts their answer tokens (EAGLE-3's draft vocabulary is the most frequent).
+`answer_token_counts` counts their answer tokens (the draft vocabulary is the most frequent).
+`dataset_sequences(...)` makes the same sequences from ShareGPT's own replies to the split's first
+prompts (off-policy: another model wrote them; no generation), for `train.dataset_answers`.
 """
 
 from __future__ import annotations
@@ -120,6 +122,26 @@ def training_sequences(results: Path, prompts: Path, tokenizer, chat_template: b
             sequence = (ids + answers[data["id"]])[:max_len]
             if len(ids) < len(sequence) - 1:        # at least two answer tokens to learn from
                 out.append((sequence, len(ids)))
+    return out
+
+
+def dataset_sequences(split: str, count: int, max_prompt_chars: int, tokenizer, chat_template: bool,
+                      answer_tokens: int, max_len: int,
+                      template_kwargs: dict | None = None) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) for the dataset's own replies to the first `count` prompts of a
+    split (those `split_prompts` gives, the ones with a reply), answers cut at `answer_tokens`
+    (EOS only when the reply ends within them, as a generated answer), sequences at `max_len`."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    out = []
+    for record in split_prompts(split, count, max_prompt_chars):
+        if record.reply is None:
+            continue
+        ids = tokenize_prompt(record, tokenizer, chat_template, template_kwargs)
+        answer = tokenizer.encode(record.reply, add_special_tokens=False)
+        answer = answer[:answer_tokens] if len(answer) >= answer_tokens or eos is None else answer + [eos]
+        sequence = (ids + answer)[:max_len]
+        if len(ids) < len(sequence) - 1:
+            out.append((sequence, len(ids)))
     return out
 
 

@@ -46,7 +46,7 @@ class KResult:
 
 
 def measure_acceptance(recipe_data: dict, folder: Path, ks: list[int], prompts: Path, work: Path, *,
-                       on_status: Callable[[str], None] | None = None) -> list[KResult]:
+                       on_status: Callable[[str], None] | None = None, label: str = "held-out") -> list[KResult]:
     """`specgen run` with the draft in `folder` at each K, and once without a draft, on `prompts`."""
     from specgen.job import run_job
     from specgen.recipe import recipe_from_dict
@@ -64,7 +64,7 @@ def measure_acceptance(recipe_data: dict, folder: Path, ks: list[int], prompts: 
         out = work / f"eval-{'ar' if k is None else f'k{k}'}.jsonl"
         data["output"] = str(out)
         if on_status is not None:
-            on_status(f"measuring held-out acceptance: {'no draft' if k is None else f'K = {k}'}")
+            on_status(f"measuring {label} acceptance: {'no draft' if k is None else f'K = {k}'}")
         summary = run_job(recipe_from_dict(data), resume=False)
         s = summary.stats
         results.append(KResult(k, s["spec"]["mean_acceptance_length"],

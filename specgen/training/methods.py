@@ -2,7 +2,7 @@
 
 Contract: `TRAINERS[method]` is a `MethodTrainer` with
 - `new_config(shape, spec, token_counts, unused_ids) -> (hf_config, extra)`: the draft's HF config
-  in the target's shape (`extra` holds tensors the config implies, EAGLE-3's vocabulary map;
+  in the target's shape (`extra` holds tensors the config implies: the draft vocabulary's map;
   `token_counts` [V]: answer-token frequencies; `unused_ids`: rows no training sequence contains,
   best mask token first, `mask_candidates`);
 - `build(config, extra, target, k) -> draft`: random weights (fp32, trainable), via the same
@@ -10,13 +10,17 @@ Contract: `TRAINERS[method]` is a `MethodTrainer` with
 - `loss(draft, aux, tokens, scored, spec, generator) -> (loss, correct [P], count [P])`: the
   method's objective and its per-position top-1 agreement (P = unrolled steps or block positions);
 - `export(draft, config, extra) -> tensors`: the state in the published layout its loader reads
-  (EAGLE-3: `midlayer.*` + `d2t`/`t2d`; DFlash: z-lab's keys; MTP: `model.layers.{N}.*`).
+  (EAGLE-3: `midlayer.*`; DFlash: z-lab's keys; MTP: `model.layers.{N}.*`; each with `d2t`/`t2d`).
+
+Every method drafts from a reduced vocabulary of the `draft_vocab_size` most frequent answer tokens
+(drafts/vocab.py: `d2t[i] = target_id - i`, `t2d[target_id]` = in the draft vocabulary), which
+takes the full-vocabulary head out of every drafted position; a label outside it is skipped (it can
+never be drafted). EAGLE-3 trains a head of its own over it; DFlash and MTP score with the target's
+head, restricted to those rows (frozen, as the references share it).
 
 Methods (each as its reference trains it):
 - EAGLE-3: training-time test over `ttt_steps` unrolled passes (training/unroll.py), weights
-  `ttt_decay ** i`; a reduced draft vocabulary of the `draft_vocab_size` most frequent answer
-  tokens (`d2t[i] = target_id - i`, `t2d[target_id]` = in the draft vocabulary), which also
-  takes the full-vocabulary head out of every chained pass.
+  `ttt_decay ** i`.
 - DFlash: random anchors, `[anchor, MASK x K]` blocks under the inference mask, position-decayed
   cross-entropy (training/blocks.py). The mask token is `train.mask_token_id`, else a row that means
   nothing (`mask_candidates`: the references use an unused row or a special token; an ordinary
@@ -35,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.drafts import dflash, eagle3, mtp
+from specgen.drafts.vocab import d2t_tensors, label_map, most_frequent
 from specgen.models.layers import split_attention_and_mlp_keys
 from specgen.models.protocol import TargetShape
 from specgen.training.blocks import block_loss, default_gamma, sample_anchors
@@ -55,8 +60,34 @@ def _random(builder, config: dict, target, k: int):
                    device=target.input_embedding.device, seed=0, where="new draft")
 
 
-def _chain_loss(draft, aux, tokens, scored, spec, generator, label_map=None):
-    steps = unrolled_chain(draft, aux, tokens, scored, spec.ttt_steps, label_map)
+def draft_vocabulary(shape: TargetShape, spec, token_counts: torch.Tensor) -> tuple[dict, dict]:
+    """The config entry and the `extra` map of a reduced draft vocabulary (none when
+    `draft_vocab_size` covers the target's)."""
+    size = min(spec.draft_vocab_size, shape.vocab_size)
+    if size == shape.vocab_size:
+        return {}, {}
+    return {"draft_vocab_size": size}, {"draft_to_target": most_frequent(token_counts, size)}
+
+
+def _with_vocabulary(draft, extra: dict):
+    if "draft_to_target" in extra:
+        draft.select_vocabulary(extra["draft_to_target"])
+    return draft
+
+
+def labels_of(draft) -> torch.Tensor | None:
+    """[V] target id -> draft id (-1 outside) for a reduced vocabulary; None for the full one."""
+    if not draft.reduced_vocab:
+        return None
+    return label_map(draft.draft_to_target, draft.config.vocab_size)
+
+
+def _vocab_export(draft) -> dict[str, torch.Tensor]:
+    return d2t_tensors(draft.draft_to_target, draft.config.vocab_size) if draft.reduced_vocab else {}
+
+
+def _chain_loss(draft, aux, tokens, scored, spec, generator):
+    steps = unrolled_chain(draft, aux, tokens, scored, spec.ttt_steps, labels_of(draft))
     loss = sum(spec.ttt_decay ** i * s.loss for i, s in enumerate(steps)) / sum(
         spec.ttt_decay ** i for i in range(len(steps)))
     return loss, torch.stack([s.correct for s in steps]), torch.stack([s.count for s in steps])
@@ -71,26 +102,18 @@ def _layer_keys(state: dict[str, torch.Tensor], prefix: str, heads: int, kv_head
 
 def _eagle3_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_ids=()) -> tuple[dict, dict]:
     config = eagle3.dummy_eagle3_config(shape)
-    size = min(spec.draft_vocab_size, shape.vocab_size)
-    # The most frequent answer tokens, in id order (ties broken by id: deterministic).
-    keep = torch.sort(torch.argsort(-token_counts.double(), stable=True)[:size]).values
-    config.update({"draft_vocab_size": size, "target_hidden_size": shape.hidden_size,
+    vocab, extra = draft_vocabulary(shape, spec, token_counts)
+    config.update({**vocab, "target_hidden_size": shape.hidden_size,
                    "eagle_config": {"eagle_aux_hidden_state_layer_ids":
                                     list(eagle3.default_aux_layer_ids(shape.num_layers))}})
-    return config, {"draft_to_target": keep}
+    return config, extra
 
 
 def _eagle3_build(config: dict, extra: dict, target, k: int):
     draft = _random(eagle3.build_eagle3_draft, config, target, k)
-    draft.draft_to_target = extra["draft_to_target"].to(target.input_embedding.device)
+    if "draft_to_target" in extra:      # EAGLE-3's own head is already Vd rows: only the map changes
+        draft.draft_to_target = extra["draft_to_target"].to(target.input_embedding.device)
     return draft
-
-
-def _eagle3_loss(draft, aux, tokens, scored, spec, generator):
-    vocab = draft.config.vocab_size
-    label_map = torch.full((vocab,), -1, dtype=torch.long, device=tokens.device)
-    label_map[draft.draft_to_target] = torch.arange(draft.config.draft_vocab_size, device=tokens.device)
-    return _chain_loss(draft, aux, tokens, scored, spec, generator, label_map)
 
 
 def _eagle3_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
@@ -98,12 +121,7 @@ def _eagle3_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
     state = {("midlayer." + k[len("layer."):] if k.startswith("layer.") else k): v
              for k, v in draft.state_dict().items()}
     _layer_keys(state, "midlayer.", c.num_heads, c.num_kv_heads, c.head_dim)
-    mapping = draft.draft_to_target.cpu()
-    state["d2t"] = mapping - torch.arange(mapping.numel())
-    t2d = torch.zeros(c.vocab_size, dtype=torch.bool)
-    t2d[mapping] = True
-    state["t2d"] = t2d
-    return state
+    return {**state, **_vocab_export(draft)}
 
 
 # ------------------------------------------------------------------------------------------- DFlash
@@ -144,17 +162,19 @@ def _dflash_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_
         # distinct: a shallow target has fewer layers between 1 and L - 3 than features asked
         "target_layer_ids": sorted(set(dflash.default_target_layer_ids(shape.num_layers, features))),
     }
-    return config, {}
+    vocab, extra = draft_vocabulary(shape, spec, token_counts)
+    config.update(vocab)
+    return config, extra
 
 
 def _dflash_build(config: dict, extra: dict, target, k: int):
-    return _random(dflash.build_dflash_draft, config, target, k)
+    return _with_vocabulary(_random(dflash.build_dflash_draft, config, target, k), extra)
 
 
 def _dflash_loss(draft, aux, tokens, scored, spec, generator):
     anchors, keep = sample_anchors(scored, spec.anchors, generator)
     gamma = spec.loss_gamma if spec.loss_gamma is not None else default_gamma(spec.block_size)
-    return block_loss(draft, aux, tokens, scored, anchors, keep, gamma)
+    return block_loss(draft, aux, tokens, scored, anchors, keep, gamma, labels_of(draft))
 
 
 def _dflash_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
@@ -162,18 +182,19 @@ def _dflash_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
     state = dict(draft.state_dict())
     for i in range(c.num_layers):
         _layer_keys(state, f"layers.{i}.", c.num_heads, c.num_kv_heads, c.head_dim)
-    return state
+    return {**state, **_vocab_export(draft)}
 
 
 # ---------------------------------------------------------------------------------------------- MTP
 
 
 def _mtp_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_ids=()) -> tuple[dict, dict]:
-    return mtp.dummy_mtp_config(shape), {}
+    vocab, extra = draft_vocabulary(shape, spec, token_counts)
+    return {**mtp.dummy_mtp_config(shape), **vocab}, extra
 
 
 def _mtp_build(config: dict, extra: dict, target, k: int):
-    return _random(mtp.build_mtp_draft, config, target, k)
+    return _with_vocabulary(_random(mtp.build_mtp_draft, config, target, k), extra)
 
 
 def _mtp_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
@@ -182,11 +203,11 @@ def _mtp_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
     state = {(prefix + k[len("block."):] if k.startswith("block.") else prefix + k): v
              for k, v in draft.state_dict().items()}
     _layer_keys(state, prefix, block.num_heads, block.num_kv_heads, block.head_dim)
-    return state
+    return {**state, **{prefix + k: v for k, v in _vocab_export(draft).items()}}
 
 
 TRAINERS: dict[str, MethodTrainer] = {
-    "eagle3": MethodTrainer(_eagle3_config, _eagle3_build, _eagle3_loss, _eagle3_export),
+    "eagle3": MethodTrainer(_eagle3_config, _eagle3_build, _chain_loss, _eagle3_export),
     "dflash": MethodTrainer(_dflash_config, _dflash_build, _dflash_loss, _dflash_export),
     "mtp": MethodTrainer(_mtp_config, _mtp_build, _chain_loss, _mtp_export),
 }

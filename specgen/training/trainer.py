@@ -34,8 +34,8 @@ from specgen.checkpoints.store import cache_root
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.machine import choose_threads, cpu_has_bf16
 from specgen.recipe import Recipe
-from specgen.training.distill import (DistillSpec, answer_token_counts, distill_folder, distilled_responses,
-                                      target_fingerprint, training_sequences)
+from specgen.training.distill import (DistillSpec, answer_token_counts, dataset_sequences, distill_folder,
+                                      distilled_responses, target_fingerprint, training_sequences)
 from specgen.training.evaluate import KResult, heldout_agreement, measure_acceptance
 from specgen.training.export import write_card, write_checkpoint
 from specgen.training.features import padded_batch, target_features
@@ -65,6 +65,8 @@ class TrainSummary:
     agreement: list[float]
     acceptance: list[KResult] = field(default_factory=list)
     resumed_from: int = 0
+    # train.eval_prompt_sets: file name -> (prompts measured, acceptance per K)
+    other_acceptance: dict[str, tuple[int, list[KResult]]] = field(default_factory=dict)
 
 
 def train_dtype(spec, device: torch.device) -> torch.dtype:
@@ -111,6 +113,9 @@ def _check_target_fit(spec, shape) -> None:
     if spec.feature_layers is not None and spec.feature_layers > shape.num_layers:
         raise TrainError(f"recipe.train.feature_layers: {spec.feature_layers} exceeds the target's "
                          f"{shape.num_layers} layers")
+    for i, path in enumerate(spec.eval_prompt_sets):      # read only at the end: fail before the hours
+        if not Path(path).is_file():
+            raise TrainError(f"recipe.train.eval_prompt_sets[{i}]: {path}: no such file")
 
 
 def _draft_k(method: str, spec) -> int:
@@ -196,7 +201,12 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     if not train:
         raise TrainError("the target produced no usable training answers (check train.prompts and "
                          "train.max_prompt_chars)")
-    counts = answer_token_counts(train, target.vocab_size)
+    counts = answer_token_counts(train, target.vocab_size)     # the target's answers: what gets verified
+    distilled = len(train)
+    if spec.dataset_answers > 0:
+        train += dataset_sequences("train", round(spec.dataset_answers * distilled), spec.max_prompt_chars,
+                                   tokenizer, recipe.chat_template, spec.answer_tokens, spec.max_seq_len,
+                                   recipe.chat_template_kwargs)
 
     # 3. a fresh draft, or the checkpoint of an interrupted run
     trainer = TRAINERS[method]
@@ -292,9 +302,18 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     recipe_data = recipe.to_dict()
     recipe_data["sampling"].update({"temperature": 0.0, "max_tokens": spec.eval_max_tokens, "stop": []})
     acceptance = measure_acceptance(recipe_data, output, ks, heldout_prompts, state_dir, on_status=status)
-    summary = TrainSummary(output, step, tokens_seen, train_seconds, agreement or [], acceptance, resumed_from)
+    others = {}
+    for i, path in enumerate(spec.eval_prompt_sets):
+        work = state_dir / f"eval-set-{i}"
+        prompts = _first_prompts(Path(path), spec.eval_prompts, work / "prompts.jsonl")
+        count = len(prompts.read_text().splitlines())
+        others[Path(path).name] = (count, measure_acceptance(recipe_data, output, ks, prompts, work,
+                                                             on_status=status, label=Path(path).name))
+    summary = TrainSummary(output, step, tokens_seen, train_seconds, agreement or [], acceptance, resumed_from,
+                           others)
     write_card(output, recipe, summary, history=history, counts=counts, config=config,
-               data={"train_answers": len(train), "heldout_answers": len(heldout),
+               data={"train_answers": distilled, "dataset_answers": len(train) - distilled,
+                     "heldout_answers": len(heldout),
                      "data_seconds": data_seconds, "dtype": dtype_name, "threads": threads,
                      "run_dtype": str(r.dtype).removeprefix("torch."),
                      "machine": _machine(r.device, threads)})
@@ -328,7 +347,7 @@ class _StopFlag:
 
 
 def _first_prompts(prompts: Path, count: int, out: Path) -> Path:
-    lines = prompts.read_text().splitlines()[:count]
+    lines = [line for line in prompts.read_text().splitlines() if line.strip()][:count]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(line + "\n" for line in lines))
     return out

@@ -88,7 +88,8 @@ def unrolled_chain(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch
 
     scored: [B, T] bool, True where the token at that position is a label worth learning (the
     answer, past its first token). `label_map` [V] maps target ids to the draft vocabulary (-1 =
-    outside it; such labels are skipped, as they can never be drafted)."""
+    outside it; such labels are left out of the loss, as they can never be drafted, and count as
+    misses in the agreement)."""
     out = []
     # Entry t is an anchor at inference only once the token at t + 1 is a committed answer token,
     # i.e. when step 0's label (t + 2) is scored; later steps must not train earlier anchors.
@@ -96,6 +97,7 @@ def unrolled_chain(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch
     for i, hidden in enumerate(unrolled_hidden(draft, aux, tokens, steps)):
         labels = shifted(tokens, 2 + i, 0)
         mask = shifted(scored, 2 + i, False) & anchors
+        scored_labels = mask.sum()        # agreement counts a label outside the vocabulary as a miss
         if label_map is not None:
             labels = label_map[labels]
             mask = mask & (labels >= 0)
@@ -103,5 +105,5 @@ def unrolled_chain(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch
         target = labels[mask]
         loss = F.cross_entropy(logits, target) if target.numel() else logits.sum() * 0
         correct = (logits.argmax(-1) == target).sum()
-        out.append(StepResult(loss, correct, mask.sum()))
+        out.append(StepResult(loss, correct, scored_labels))
     return out
