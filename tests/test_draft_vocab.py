@@ -43,21 +43,26 @@ def target(target_dir):
     return load_fp32_target(target_dir)
 
 
-@pytest.fixture(scope="module", params=METHODS)
-def exported(request, tmp_path_factory, target):
-    """(method, folder, the draft ids' target ids): a reduced-vocabulary draft in its exported layout."""
-    method = request.param
+def write_reduced_draft(folder: Path, method: str, target, spec: TrainSpec = SPEC) -> torch.Tensor:
+    """A random draft with a reduced vocabulary of scattered ids, made and exported as `train-draft`
+    makes them; returns the draft ids' target ids."""
     torch.manual_seed(0)
-    counts = torch.randperm(V)                          # the kept ids are scattered over the vocabulary
+    counts = torch.randperm(target.vocab_size)          # the kept ids are scattered over the vocabulary
     trainer = TRAINERS[method]
-    config, extra = trainer.new_config(target.shape, SPEC, counts)
-    draft = trainer.build(config, extra, target, SPEC.block_size - 1 if method == "dflash" else 3)
+    config, extra = trainer.new_config(target.shape, spec, counts)
+    draft = trainer.build(config, extra, target, spec.block_size - 1 if method == "dflash" else 3)
     with torch.no_grad():                               # away from the init, so every weight matters
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    folder = tmp_path_factory.mktemp(method) / "draft"
     write_checkpoint(folder, config, trainer.export(draft, config, extra), "float32")
-    return method, folder, extra["draft_to_target"]
+    return extra["draft_to_target"]
+
+
+@pytest.fixture(scope="module", params=METHODS)
+def exported(request, tmp_path_factory, target):
+    """(method, folder, the draft ids' target ids): a reduced-vocabulary draft in its exported layout."""
+    folder = tmp_path_factory.mktemp(request.param) / "draft"
+    return request.param, folder, write_reduced_draft(folder, request.param, target)
 
 
 def load(method: str, folder: Path, target, config: dict | None = None):

