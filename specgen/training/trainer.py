@@ -152,6 +152,8 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         raise TrainError(str(err)) from err
     dtype = train_dtype(spec, r.device)
     dtype_name = str(dtype).removeprefix("torch.")
+    # the answers' dtype is part of the data cache's key: pinned, the data is the same on every CPU
+    data_dtype = dtype_name if spec.generation_dtype == "auto" else spec.generation_dtype
     # the fields naming rows or layers of the target, before hours of data generation
     _check_target_fit(spec, load_target(r.target_config, r.target_folder, dtype=dtype, device="meta",
                                         dummy=True).shape)
@@ -163,7 +165,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         d = DistillSpec(target=recipe.target.model, num_prompts=count, split=split,
                         max_new_tokens=spec.answer_tokens, max_prompt_chars=spec.max_prompt_chars,
                         batch_size=spec.generation_batch_size, chat_template=recipe.chat_template,
-                        dtype=dtype_name, device=recipe.runtime.device,
+                        dtype=data_dtype, device=recipe.runtime.device,
                         chat_template_kwargs=recipe.chat_template_kwargs)
         status(f"self-distillation data: the target's answers to {count} {split} prompts "
                f"(kept in {distill_folder(d)})")
@@ -314,7 +316,8 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     write_card(output, recipe, summary, history=history, counts=counts, config=config,
                data={"train_answers": distilled, "dataset_answers": len(train) - distilled,
                      "heldout_answers": len(heldout),
-                     "data_seconds": data_seconds, "dtype": dtype_name, "threads": threads,
+                     "data_seconds": data_seconds, "dtype": dtype_name, "data_dtype": data_dtype,
+                     "threads": threads,
                      "run_dtype": str(r.dtype).removeprefix("torch."),
                      "machine": _machine(r.device, threads)})
     return summary
