@@ -608,9 +608,9 @@ def _positive_list(value: object) -> list[int]:
 
 
 def _string_list(value: object) -> list[str]:
-    if not isinstance(value, list):
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
         raise _Bad(f"expected a list of file paths, got {_show(value)}")
-    return [_string(v) for v in value]
+    return list(value)
 
 
 def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_model: str | None) -> TrainSpec | None:
@@ -629,7 +629,8 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
         max_prompt_chars=check.get(t, "train.max_prompt_chars", _integer(16), d.max_prompt_chars),
         generation_batch_size=check.get(t, "train.generation_batch_size", positive, d.generation_batch_size),
         generation_dtype=check.get(t, "train.generation_dtype", _choice(DTYPES), d.generation_dtype),
-        dataset_answers=check.get(t, "train.dataset_answers", _in_range(_number, lambda x: x >= 0, "must be >= 0"),
+        dataset_answers=check.get(t, "train.dataset_answers",
+                                  _in_range(_number, lambda x: 0 <= x < float("inf"), "must be >= 0 and finite"),
                                   d.dataset_answers),
         dtype=check.get(t, "train.dtype", _choice(DTYPES), d.dtype),
         heldout_prompts=check.get(t, "train.heldout_prompts", positive, d.heldout_prompts),

@@ -210,23 +210,27 @@ def test_training_lowers_the_loss_and_exports_a_runnable_draft(method, byte_targ
     assert [r.k for r in measured] == ([1, 2, 3] if method == "dflash" else [1, 2])
     assert all(r.mean_acceptance_length >= 1 for r in measured)
     assert record["best_k"] in (1, 2, 3)
-    count, results = summary.other_acceptance["other-set.jsonl"]
+    count, results = summary.other_acceptance[str(other)]
     assert count == 2 and [r.k for r in results] == [None] + [r.k for r in measured]
     assert all(r.output_tokens > 0 for r in results)
-    assert "### other-set.jsonl (2 prompts, same settings)" in (out / "README.md").read_text()
-    assert record["other_acceptance"]["other-set.jsonl"]["prompts"] == 2
+    assert f"### `{other}` (2 prompts, same settings)" in (out / "README.md").read_text()
+    assert record["other_acceptance"][str(other)]["prompts"] == 2
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
     ("mask_token_id", 300, "recipe.train.mask_token_id: 300 is not a row of the target embedding"),
     ("feature_layers", 7, "recipe.train.feature_layers: 7 exceeds the target's 6 layers"),
-    ("eval_prompt_sets", ["nowhere.jsonl"], "recipe.train.eval_prompt_sets\\[0\\]: nowhere.jsonl: no such file")])
+    ("eval_prompt_sets", ["nowhere.jsonl"], "recipe.train.eval_prompt_sets\\[0\\]: nowhere.jsonl: no such file"),
+    ("eval_prompt_sets", ["EMPTY"], "recipe.train.eval_prompt_sets\\[0\\]: .*empty.jsonl: no usable prompt")])
 def test_fields_naming_what_is_not_there_fail_before_any_data(byte_target, tmp_path, monkeypatch, field, value,
                                                                message):
     from specgen.training.trainer import TrainError, train_draft
 
     root, target_dir = byte_target
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    if value == ["EMPTY"]:
+        (tmp_path / "empty.jsonl").write_text("\n")
+        value = [str(tmp_path / "empty.jsonl")]
     with pytest.raises(TrainError, match=message):
         train_draft(recipe_from_dict(train_recipe(root, target_dir, "dflash", tmp_path / "d", **{field: value})))
     assert not (tmp_path / "cache" / "distill").exists()
@@ -338,6 +342,11 @@ def test_train_fields_are_checked_per_method():
     dflash = {**base, "draft": {"method": "dflash", "model": "out"}}
     with pytest.raises(RecipeError, match="recipe.train.feature_layers: must be >= 1"):
         recipe_from_dict({**dflash, "train": {"feature_layers": 0}})
+    for bad in (float("inf"), -0.5):
+        with pytest.raises(RecipeError, match="recipe.train.dataset_answers: must be >= 0 and finite"):
+            recipe_from_dict({**base, "train": {"dataset_answers": bad}})
+    with pytest.raises(RecipeError, match="recipe.train.eval_prompt_sets: expected a list of file paths"):
+        recipe_from_dict({**base, "train": {"eval_prompt_sets": ["a.jsonl", 3]}})
     recipe = recipe_from_dict({**dflash, "train": {"mask_token_id": 16, "feature_layers": 5}})
     assert (recipe.train.mask_token_id, recipe.train.feature_layers) == (16, 5)
 

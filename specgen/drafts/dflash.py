@@ -39,7 +39,7 @@ Conventions here:
 - A reduced draft vocabulary (specgen's extension, drafts/vocab.py): `draft_vocab_size` at top level
   and `d2t` / `t2d` beside the weights. The head is then the target head's `d2t` rows, gathered at
   load, and every block position pays Vd rows instead of V; a loader without the extension ignores
-  both and scores the full vocabulary with the same head.
+  both and scores the full vocabulary with the same weights (slower; it may draft other tokens).
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ absent (or equal to the target's, as DeepSeek stores duplicates) they are shared
 A reduced draft vocabulary (specgen's extension, drafts/vocab.py): `draft_vocab_size` in the config
 and `d2t` / `t2d` under the layer's prefix; the head is then the `d2t` rows of the full head (the
 shared one or its own), gathered at load, so each chained pass pays Vd rows instead of V. A loader
-without the extension ignores both and scores the full vocabulary with the same head.
+without the extension ignores both and scores the full vocabulary with the same weights (slower;
+it may draft other tokens).
 
 The block is pluggable (`MTP_BLOCKS`, keyed by `model_type`): a block module exposes
 `decode(h [B, T, H], positions [B, T], attention) -> [B, T, H]` (`attention` binds the keys:

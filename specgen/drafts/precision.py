@@ -12,7 +12,8 @@ bf16 where bf16 GEMMs pay (AVX-512 or native bf16, job.auto_dtype), else the tar
 
 What it costs: the head, when the draft shares the target's (MTP, DFlash), is held again in the
 draft's dtype (vocab x hidden; SmolLM2: 57 MB in bf16), because reading the float32 one is exactly
-the cost this avoids. The embedding is looked up in the target's dtype and converted (one row per
+the cost this avoids (a draft with a reduced vocabulary gathers its rows from this copy, which it
+then no longer reads). The embedding is looked up in the target's dtype and converted (one row per
 token, nothing to gain from a copy).
 """
 

@@ -15,8 +15,8 @@ draft id + d2t[draft id]) and `t2d [V]` (bool, in the draft vocabulary; derivabl
 EAGLE-3 trains a head of its own over the draft vocabulary. DFlash and MTP score with the target's
 head (or MTP's own full one), so their reduced head is that head's `mapping` rows, gathered at load:
 the checkpoint adds only `d2t` / `t2d` and `draft_vocab_size`, and a loader that does not know the
-extension ignores them and scores the full vocabulary with the same head (same weights, a slower
-pass over all V rows).
+extension ignores them and scores the full vocabulary with the same weights (a slower pass over all
+V rows, whose argmax may fall outside the Vd).
 """
 
 from __future__ import annotations

@@ -64,8 +64,8 @@ def block_loss(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch.Ten
                keep: torch.Tensor, gamma: float,
                label_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Position-decayed cross-entropy over every kept block; returns (loss, correct [K], count [K]).
-    `label_map` [V]: target id -> draft id (-1 outside the draft vocabulary: such labels are skipped,
-    as they can never be drafted)."""
+    `label_map` [V]: target id -> draft id (-1 outside the draft vocabulary: such labels are left out
+    of the loss, as they can never be drafted, and count as misses in the agreement)."""
     batch, length = tokens.shape
     k = draft.num_speculative_tokens
     offsets = torch.arange(1, k + 1, device=tokens.device)

@@ -68,6 +68,8 @@ def distill_folder(spec: DistillSpec) -> Path:
 def split_prompts(split: str, num_prompts: int, max_prompt_chars: int) -> list[PromptRecord]:
     """The first `num_prompts` prompts of a split whose text is at most `max_prompt_chars`."""
     out: list[PromptRecord] = []
+    if num_prompts <= 0:
+        return out
     for record in read_prompts(f"sharegpt-{split}"):
         if record.error is None and len(record.messages[0]["content"]) <= max_prompt_chars:
             out.append(record)
@@ -129,7 +131,7 @@ def dataset_sequences(split: str, count: int, max_prompt_chars: int, tokenizer, 
                       answer_tokens: int, max_len: int,
                       template_kwargs: dict | None = None) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) for the dataset's own replies to the first `count` prompts of a
-    split (those `split_prompts` gives, the ones with a reply), answers cut at `answer_tokens`
+    split (those `split_prompts` gives; the few without a reply give none), answers cut at `answer_tokens`
     (EOS only when the reply ends within them, as a generated answer), sequences at `max_len`."""
     eos = getattr(tokenizer, "eos_token_id", None)
     out = []

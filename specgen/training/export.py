@@ -72,7 +72,7 @@ def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: to
     others = ""
     for name, (count, results) in summary.other_acceptance.items():
         other_table, _ = _acceptance_table(results)
-        others += f"\n### {name} ({count} prompts, same settings)\n\n{other_table}\n"
+        others += f"\n### `{name}` ({count} prompts, same settings)\n\n{other_table}\n"
 
     params = sum(t.numel() for t in _tensors(folder).values())
     size_mb = (folder / "model.safetensors").stat().st_size / 1e6
@@ -94,8 +94,11 @@ def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: to
     tmp = folder / "training.json.tmp"
     tmp.write_text(json.dumps(record, indent=1) + "\n")
     os.replace(tmp, folder / "training.json")
+    reduced = config.get("draft_vocab_size")
+    if reduced == config.get("vocab_size"):
+        reduced = None
     what = {"eagle3": "an EAGLE-3 draft (one decoder layer over three fused target layers, chained K "
-                      f"times; reduced vocabulary of {config.get('draft_vocab_size')} tokens)",
+                      f"times{f'; reduced vocabulary of {reduced} tokens' if reduced else ''})",
             "dflash": f"a DFlash block-diffusion draft ({config.get('num_hidden_layers')} layers, block "
                       f"{config.get('block_size')}: one non-causal pass drafts up to "
                       f"{int(config.get('block_size', 2)) - 1} tokens; reads target layers "
@@ -103,7 +106,6 @@ def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: to
                       f"{(config.get('dflash_config') or {}).get('mask_token_id')})",
             "mtp": "an MTP layer (DeepSeek-V3 style multi-token prediction, Llama block), chained K times"}
     vocab_note = ""
-    reduced = config.get("draft_vocab_size")
     if method in ("dflash", "mtp") and reduced:
         what[method] += f"; reduced vocabulary of {reduced} tokens"
         vocab_note = f"""
@@ -112,8 +114,8 @@ The draft scores only the {reduced} most frequent answer tokens: `draft_vocab_si
 and `d2t` / `t2d` beside the weights, as EAGLE-3 checkpoints store them (target id = draft id +
 d2t[draft id]). Its head is the target head's `d2t` rows, gathered at load, so every drafted
 position pays {reduced} rows instead of {config.get('vocab_size')}. A loader that does not know the
-extension ignores these entries and scores the full vocabulary with the same head: the same draft,
-a slower head.
+extension ignores these entries and scores the full vocabulary with the same weights (a slower
+head, which may then draft a token outside the {reduced}).
 """
     how = {"eagle3": f"training-time test over {spec.ttt_steps} unrolled passes, loss weights "
                      f"{spec.ttt_decay} ** i",

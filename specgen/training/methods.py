@@ -10,12 +10,13 @@ Contract: `TRAINERS[method]` is a `MethodTrainer` with
 - `loss(draft, aux, tokens, scored, spec, generator) -> (loss, correct [P], count [P])`: the
   method's objective and its per-position top-1 agreement (P = unrolled steps or block positions);
 - `export(draft, config, extra) -> tensors`: the state in the published layout its loader reads
-  (EAGLE-3: `midlayer.*`; DFlash: z-lab's keys; MTP: `model.layers.{N}.*`; each with `d2t`/`t2d`).
+  (EAGLE-3: `midlayer.*`; DFlash: z-lab's keys; MTP: `model.layers.{N}.*`; each with `d2t`/`t2d`
+  when its vocabulary is reduced).
 
 Every method drafts from a reduced vocabulary of the `draft_vocab_size` most frequent answer tokens
 (drafts/vocab.py: `d2t[i] = target_id - i`, `t2d[target_id]` = in the draft vocabulary), which
-takes the full-vocabulary head out of every drafted position; a label outside it is skipped (it can
-never be drafted). EAGLE-3 trains a head of its own over it; DFlash and MTP score with the target's
+takes the full-vocabulary head out of every drafted position; a label outside it is left out of the
+loss (it can never be drafted) and counts as a miss in the agreement. EAGLE-3 trains a head of its own over it; DFlash and MTP score with the target's
 head, restricted to those rows (frozen, as the references share it).
 
 Methods (each as its reference trains it):

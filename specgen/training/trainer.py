@@ -113,9 +113,22 @@ def _check_target_fit(spec, shape) -> None:
     if spec.feature_layers is not None and spec.feature_layers > shape.num_layers:
         raise TrainError(f"recipe.train.feature_layers: {spec.feature_layers} exceeds the target's "
                          f"{shape.num_layers} layers")
-    for i, path in enumerate(spec.eval_prompt_sets):      # read only at the end: fail before the hours
+
+
+def _check_eval_sets(spec) -> None:
+    """The card's extra prompt sets are read only at the end: a bad one fails before the hours."""
+    from specgen.data import PromptSourceError, read_prompts
+
+    for i, path in enumerate(spec.eval_prompt_sets):
         if not Path(path).is_file():
             raise TrainError(f"recipe.train.eval_prompt_sets[{i}]: {path}: no such file")
+        try:
+            usable = [r for r in read_prompts(path, limit=spec.eval_prompts) if r.error is None]
+        except PromptSourceError as err:
+            raise TrainError(f"recipe.train.eval_prompt_sets[{i}]: {err}") from err
+        if not usable:
+            raise TrainError(f"recipe.train.eval_prompt_sets[{i}]: {path}: no usable prompt in its first "
+                             f"{spec.eval_prompts} lines")
 
 
 def _draft_k(method: str, spec) -> int:
@@ -157,6 +170,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     # the fields naming rows or layers of the target, before hours of data generation
     _check_target_fit(spec, load_target(r.target_config, r.target_folder, dtype=dtype, device="meta",
                                         dummy=True).shape)
+    _check_eval_sets(spec)
 
     # 1. data: the target's own answers (cached; shared by every draft method)
     started = time.perf_counter()
@@ -205,7 +219,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
                          "train.max_prompt_chars)")
     counts = answer_token_counts(train, target.vocab_size)     # the target's answers: what gets verified
     distilled = len(train)
-    if spec.dataset_answers > 0:
+    if round(spec.dataset_answers * distilled) > 0:
         train += dataset_sequences("train", round(spec.dataset_answers * distilled), spec.max_prompt_chars,
                                    tokenizer, recipe.chat_template, spec.answer_tokens, spec.max_seq_len,
                                    recipe.chat_template_kwargs)
@@ -309,8 +323,8 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         work = state_dir / f"eval-set-{i}"
         prompts = _first_prompts(Path(path), spec.eval_prompts, work / "prompts.jsonl")
         count = len(prompts.read_text().splitlines())
-        others[Path(path).name] = (count, measure_acceptance(recipe_data, output, ks, prompts, work,
-                                                             on_status=status, label=Path(path).name))
+        others[path] = (count, measure_acceptance(recipe_data, output, ks, prompts, work, on_status=status,
+                                                  label=Path(path).name))
     summary = TrainSummary(output, step, tokens_seen, train_seconds, agreement or [], acceptance, resumed_from,
                            others)
     write_card(output, recipe, summary, history=history, counts=counts, config=config,
