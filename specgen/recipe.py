@@ -163,6 +163,7 @@ class TrainSpec:
     generation_batch_size: int = 96
     dataset_answers: float = 0.0      # plus ShareGPT's own replies (off-policy), this many per target answer
     generation_dtype: str = "auto"    # the target's dtype for the answers: auto = train.dtype's choice
+    feature_cache: bool = False       # target features computed once per sequence, kept on disk (bf16)
     dtype: str = "auto"               # target features and autocast: auto = bfloat16 where the CPU has it
     heldout_prompts: int = 64         # held-out answers for top-1 agreement while training
     epochs: float = 2.0
@@ -629,6 +630,7 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
         max_prompt_chars=check.get(t, "train.max_prompt_chars", _integer(16), d.max_prompt_chars),
         generation_batch_size=check.get(t, "train.generation_batch_size", positive, d.generation_batch_size),
         generation_dtype=check.get(t, "train.generation_dtype", _choice(DTYPES), d.generation_dtype),
+        feature_cache=check.get(t, "train.feature_cache", _boolean, d.feature_cache),
         dataset_answers=check.get(t, "train.dataset_answers",
                                   _in_range(_number, lambda x: 0 <= x < float("inf"), "must be >= 0 and finite"),
                                   d.dataset_answers),

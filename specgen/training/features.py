@@ -1,11 +1,10 @@
 """Target features for draft training, captured on the fly, and the padded batches they come from.
 
-Why on the fly and not cached to disk: a draft reads 1-4 layers of the target's hidden states at
-every position (SmolLM2: up to 4 x 576 values per token, 4.6 KB in bf16, so 1 M training tokens
-would be 4.6 GB per draft layout), and on a CPU the target's forward costs about as much as the
-draft's own forward and backward, so a disk cache would save at most a third of the time while
-making every draft method (each reads other layers) pay for its own copy. The target runs frozen,
-in the training dtype, without gradients.
+On the fly by default: a draft reads 1-5 layers of the target's hidden states at every position
+(SmolLM2: 1.2 KB per layer and token in bf16, so 1 M training tokens are 1.2 GB per layer on disk).
+Where the target's forward dominates a step (a CPU, a reduced draft vocabulary) and the data is
+trained on for several epochs or methods, `train.feature_cache` keeps them on disk instead
+(training/feature_cache.py). The target runs frozen, in the training dtype, without gradients.
 
 `padded_batch(sequences)` right-pads token sequences into a `[B, T]` batch with the mask of the
 positions a draft should learn to predict (inside the answer, past its first token: that one is

@@ -38,6 +38,7 @@ from specgen.training.distill import (DistillSpec, answer_token_counts, dataset_
                                       distilled_responses, target_fingerprint, training_sequences)
 from specgen.training.evaluate import KResult, heldout_agreement, measure_acceptance
 from specgen.training.export import write_card, write_checkpoint
+from specgen.training.feature_cache import FeatureStore
 from specgen.training.features import padded_batch, target_features
 from specgen.training.methods import TRAINERS, mask_candidates
 
@@ -255,6 +256,9 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
 
     # Half-precision target features; the draft's fp32 weights run under autocast to the same dtype.
     autocast = dtype if dtype != torch.float32 else None
+    store = None
+    if spec.feature_cache and step < len(order):
+        store = _filled_store(target, train, draft.aux_layer_ids, r.target_folder, dtype_name, status)
 
     def evaluate() -> list[float]:
         draft.eval()
@@ -276,8 +280,12 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
             tick = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(spec, step, len(order))
-            tokens, scored = (t.to(r.device) for t in padded_batch([train[i] for i in order[step]]))
-            aux = target_features(target, tokens, draft.aux_layer_ids)
+            batch = [train[i] for i in order[step]]
+            tokens, scored = (t.to(r.device) for t in padded_batch(batch))
+            if store is not None:
+                aux = store.read(batch, draft.aux_layer_ids, tokens.shape[1], dtype).to(r.device)
+            else:
+                aux = target_features(target, tokens, draft.aux_layer_ids)
             generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
             with torch.autocast(r.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss, _, _ = trainer.loss(draft, aux, tokens, scored, spec, generator)
@@ -335,6 +343,30 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
                      "run_dtype": str(r.dtype).removeprefix("torch."),
                      "machine": _machine(r.device, threads)})
     return summary
+
+
+def _filled_store(target, sequences, layers: tuple[int, ...], target_folder: Path, dtype_name: str,
+                  status: Callable[[str], None]) -> FeatureStore:
+    """The feature store of this target and dtype, holding `layers` of every training sequence
+    (computing what it lacks: resumable, one forward per missing sequence)."""
+    key = json.dumps([target_fingerprint(target_folder), dtype_name])
+    folder = cache_root() / "features" / hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+    store = FeatureStore(folder, target.hidden_size)
+    todo = store.missing(sequences, layers)
+    if todo:
+        tokens = sum(len(sequences[i][0]) for i in todo)
+        status(f"target features: {len(todo)} of {len(sequences)} sequences to compute, layers {list(layers)}, "
+               f"{tokens * len(layers) * target.hidden_size * 2 / 1e9:.1f} GB more in {folder}")
+        marks = set()
+
+        def progress(done: int, total: int) -> None:
+            tenth = 10 * done // total
+            if tenth not in marks and tenth < 10:
+                marks.add(tenth)
+                status(f"target features: {done} of {total} sequences")
+
+        store.fill(target, sequences, layers, batch_size=8, on_progress=progress)
+    return store
 
 
 class _StopFlag:
