@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoints import load_fp32_target, tiny_llama_config, write_llama_checkpoint
+from checkpoints import tiny_llama_config
 from model_calls import attn
 from safetensors.torch import load_file, save_file
 from test_speculative import prompts, run, runner_for
+from test_training import target, target_dir  # noqa: F401  (fixtures: the same tiny target)
 
 from specgen.checkpoints import CheckpointError, read_config
 from specgen.checkpoints.loading import load_draft
@@ -31,16 +32,6 @@ TARGET = tiny_llama_config()          # 6 layers, hidden 64, vocab 96
 V, VD = TARGET["vocab_size"], 40
 SPEC = TrainSpec(ttt_steps=3, draft_vocab_size=VD, block_size=5, layers=2)
 METHODS = ["dflash", "mtp"]
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory) -> Path:
-    return write_llama_checkpoint(tmp_path_factory.mktemp("target") / "llama", TARGET)
-
-
-@pytest.fixture(scope="module")
-def target(target_dir):
-    return load_fp32_target(target_dir)
 
 
 def write_reduced_draft(folder: Path, method: str, target, spec: TrainSpec = SPEC) -> torch.Tensor:
