@@ -81,6 +81,7 @@ def write_card(folder: Path, recipe, summary, *, history: list[dict], counts: to
         "method": method, "target": recipe.target.model, "command": _command(),
         "steps": summary.steps, "tokens_seen": summary.tokens_seen,
         "train_seconds": round(summary.train_seconds, 1), "data_seconds": round(data["data_seconds"], 1),
+        "feature_seconds": round(data.get("feature_seconds", 0.0), 1),
         "machine": data["machine"], "dtype": data["dtype"], "data_dtype": data.get("data_dtype", data["dtype"]),
         "train_answers": data["train_answers"],
         "dataset_answers": data.get("dataset_answers", 0),
@@ -123,7 +124,9 @@ head, which may then draft a token outside the {reduced}).
                      f"(gamma {spec.loss_gamma or max(1, spec.block_size // 2)})",
            "mtp": f"next-next-token loss, plus the same loss on {spec.ttt_steps - 1} further unrolled "
                   "passes (specgen chains the layer K times)"}
-    minutes = (summary.train_seconds + data["data_seconds"]) / 60
+    minutes = (summary.train_seconds + data["data_seconds"] + data.get("feature_seconds", 0.0)) / 60
+    features = (f" + {data['feature_seconds'] / 60:.1f} min target features (written to the feature cache; 0 "
+                "when another run had)") if spec.feature_cache else ""
     extra = data.get("dataset_answers", 0)
     dataset_line = (f"\n- Plus {extra} of ShareGPT's own replies to the same prompts (off-policy: written by "
                     f"other models; `train.dataset_answers: {spec.dataset_answers:g}`).") if extra else ""
@@ -161,7 +164,7 @@ Held-out top-1 agreement per drafted position (teacher-forced): {agreement}.
   {spec.min_lr_ratio:g} x lr, gradient clipping {spec.grad_clip:g}; {data['dtype']} autocast, fp32 weights.
 - Parameters: {params:,}; exported in {spec.export_dtype} ({size_mb:.1f} MB).
 - Wall time: {summary.train_seconds / 60:.1f} min training + {data['data_seconds'] / 60:.1f} min data
-  (generation shared with the other drafts; 0 when it was cached) = {minutes:.1f} min.
+  (generation shared with the other drafts; 0 when it was cached){features} = {minutes:.1f} min.
 - Machine: {data['machine']}.
 - Command: `{record['command']}`
 

@@ -66,7 +66,7 @@ class TrainSummary:
     agreement: list[float]
     acceptance: list[KResult] = field(default_factory=list)
     resumed_from: int = 0
-    # train.eval_prompt_sets: file name -> (prompts measured, acceptance per K)
+    # train.eval_prompt_sets: path -> (prompts measured, acceptance per K)
     other_acceptance: dict[str, tuple[int, list[KResult]]] = field(default_factory=dict)
 
 
@@ -256,9 +256,11 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
 
     # Half-precision target features; the draft's fp32 weights run under autocast to the same dtype.
     autocast = dtype if dtype != torch.float32 else None
-    store = None
+    store, feature_seconds = None, 0.0
     if spec.feature_cache and step < len(order):
+        started = time.perf_counter()
         store = _filled_store(target, train, draft.aux_layer_ids, r.target_folder, dtype_name, status)
+        feature_seconds = time.perf_counter() - started
 
     def evaluate() -> list[float]:
         draft.eval()
@@ -338,7 +340,8 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     write_card(output, recipe, summary, history=history, counts=counts, config=config,
                data={"train_answers": distilled, "dataset_answers": len(train) - distilled,
                      "heldout_answers": len(heldout),
-                     "data_seconds": data_seconds, "dtype": dtype_name, "data_dtype": data_dtype,
+                     "data_seconds": data_seconds, "feature_seconds": feature_seconds,
+                     "dtype": dtype_name, "data_dtype": data_dtype,
                      "threads": threads,
                      "run_dtype": str(r.dtype).removeprefix("torch."),
                      "machine": _machine(r.device, threads)})
