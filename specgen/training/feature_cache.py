@@ -109,11 +109,10 @@ class FeatureStore:
         for start in range(0, len(todo), batch_size):
             batch = [sequences[i] for i in todo[start:start + batch_size]]
             tokens, _ = padded_batch(batch)
-            wanted = tuple(n for n in layers)
-            aux = target_features(target, tokens.to(device), wanted)          # [B, T, n * H]
+            aux = target_features(target, tokens.to(device), layers)          # [B, T, n * H]
             for row, (ids, _) in enumerate(batch):
                 key = sequence_key(ids)
-                for j, n in enumerate(wanted):
+                for j, n in enumerate(layers):
                     store = self.layer(n)
                     if key not in store.index:
                         store.append(key, aux[row, :len(ids), j * self.hidden:(j + 1) * self.hidden])
