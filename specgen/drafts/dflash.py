@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgen.drafts.base import DraftBuilder, Pick, TargetFit, read_draft_config
-from specgen.drafts.vocab import read_draft_vocab_size, take_d2t, to_target_logits
+from specgen.drafts.vocab import HeadRows, read_draft_vocab_size, take_d2t
 from specgen.kernels import attention as attention_kernel
 from specgen.models.attention import AttentionBatch, KVCache, kernel_splits
 from specgen.models.layers import (
@@ -276,7 +276,7 @@ def block_masks(cfg: DFlashConfig, block_pos: torch.Tensor, key_index: torch.Ten
     return out
 
 
-class DFlashDraft(nn.Module):
+class DFlashDraft(HeadRows, nn.Module):
     def __init__(self, cfg: DFlashConfig, num_speculative_tokens: int, target) -> None:
         super().__init__()
         self.config = cfg
@@ -290,24 +290,14 @@ class DFlashDraft(nn.Module):
         # Held outside the module tree: the target's weights are neither saved nor loaded here.
         self._target = (target,)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.head_dim, cfg.rope), persistent=False)
-        # a reduced vocabulary: draft id -> target id [Vd], and the head's rows for it [Vd, H]
-        self.register_buffer("draft_to_target", None, persistent=False)
-        self.register_buffer("head_rows", None, persistent=False)
-
-    @property
-    def reduced_vocab(self) -> bool:
-        return self.config.draft_vocab_size != self.config.vocab_size
+        self._register_head_rows()
 
     def init_buffers(self, device) -> None:
         self.inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope).to(device)
-        if self.reduced_vocab:          # the first Vd ids until the checkpoint's d2t says which
-            self.select_vocabulary(torch.arange(self.config.draft_vocab_size, device=device))
+        self._init_head_rows(device)
 
-    def select_vocabulary(self, mapping: torch.Tensor) -> None:
-        # mapping: [Vd] target ids -> the rows of the target's head that the draft scores (a copy)
-        head = self._target[0].output_embedding.detach()
-        self.draft_to_target = mapping.to(head.device)
-        self.head_rows = head[self.draft_to_target].to(self.fc.weight.dtype)
+    def full_head(self) -> tuple[torch.Tensor, torch.dtype]:
+        return self._target[0].output_embedding, self.fc.weight.dtype
 
     def new_cache(self, slots: int, max_len: int, dtype: torch.dtype, device) -> KVCache:
         c = self.config
@@ -376,10 +366,7 @@ class DFlashDraft(nn.Module):
 
     def block_head(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [..., H] -> [..., V] float32 over the target vocabulary (-inf outside the draft's)
-        logits = self.draft_logits(hidden)
-        if not self.reduced_vocab:
-            return logits
-        return to_target_logits(logits, self.draft_to_target, self.config.vocab_size)
+        return self.to_target(self.draft_logits(hidden))
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 last_index: torch.Tensor, cache: KVCache, attn: AttentionBatch, pick: Pick,

@@ -54,7 +54,7 @@ from torch import nn
 
 from specgen.drafts.base import DraftBuilder, Pick, TargetFit, read_draft_config
 from specgen.drafts.chain import chain_propose
-from specgen.drafts.vocab import read_draft_vocab_size, take_d2t, to_target_logits
+from specgen.drafts.vocab import HeadRows, read_draft_vocab_size, take_d2t
 from specgen.models.attention import AttentionBatch, KVCache
 from specgen.models.layers import (
     Attention,
@@ -220,7 +220,7 @@ class SharedHead(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if own_head else None
 
 
-class MtpDraft(nn.Module):
+class MtpDraft(HeadRows, nn.Module):
     """The MTP module over any block; the target's embedding, head and final norm are shared (the
     target is held outside the module tree, so they are neither saved nor loaded as draft weights)."""
 
@@ -238,25 +238,15 @@ class MtpDraft(nn.Module):
         self.block = block
         self.shared_head = SharedHead(cfg, own_head)
         self._target = (target,)
-        # a reduced vocabulary: draft id -> target id [Vd], and the head's rows for it [Vd, H]
-        self.register_buffer("draft_to_target", None, persistent=False)
-        self.register_buffer("head_rows", None, persistent=False)
-
-    @property
-    def reduced_vocab(self) -> bool:
-        return self.config.draft_vocab_size != self.config.vocab_size
+        self._register_head_rows()
 
     def init_buffers(self, device) -> None:
         self.block.init_buffers(device)
-        if self.reduced_vocab:          # the first Vd ids until the checkpoint's d2t says which
-            self.select_vocabulary(torch.arange(self.config.draft_vocab_size, device=device))
+        self._init_head_rows(device)
 
-    def select_vocabulary(self, mapping: torch.Tensor) -> None:
-        # mapping: [Vd] target ids -> the rows of the full head that the draft scores (a copy)
+    def full_head(self) -> tuple[torch.Tensor, torch.dtype]:
         own = self.shared_head.head
-        head = (own.weight if own is not None else self._target[0].output_embedding).detach()
-        self.draft_to_target = mapping.to(head.device)
-        self.head_rows = head[self.draft_to_target].to(self.eh_proj.weight.dtype)
+        return (own.weight if own is not None else self._target[0].output_embedding), self.eh_proj.weight.dtype
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(tokens) if self.embed_tokens is not None else self._target[0].embed(tokens)
@@ -287,10 +277,7 @@ class MtpDraft(nn.Module):
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, H] -> [B, V] float32 over the target vocabulary (-inf outside the draft's)
-        logits = self.draft_logits(hidden)
-        if not self.reduced_vocab:
-            return logits
-        return to_target_logits(logits, self.draft_to_target, self.config.vocab_size)
+        return self.to_target(self.draft_logits(hidden))
 
     def propose(self, aux: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor,
                 last_index: torch.Tensor, cache, attn: AttentionBatch, pick: Pick,

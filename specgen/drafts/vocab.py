@@ -13,7 +13,8 @@ draft id + d2t[draft id]) and `t2d [V]` (bool, in the draft vocabulary; derivabl
 - `label_map(mapping, vocab) -> [V]`: target id -> draft id, -1 outside (training skips those labels).
 
 EAGLE-3 trains a head of its own over the draft vocabulary. DFlash and MTP score with the target's
-head (or MTP's own full one), so their reduced head is that head's `mapping` rows, gathered at load:
+head (or MTP's own full one), so their reduced head is that head's `mapping` rows, gathered at load
+(`HeadRows`, which both mix in):
 the checkpoint adds only `d2t` / `t2d` and `draft_vocab_size`, and a loader that does not know the
 extension ignores them and scores the full vocabulary with the same weights (a slower pass over all
 V rows, whose argmax may fall outside the Vd).
@@ -89,3 +90,36 @@ def take_d2t(state: dict, draft_vocab_size: int, vocab_size: int, where: str) ->
     if not isinstance(d2t, torch.Tensor):
         return None
     return draft_to_target(d2t, draft_vocab_size, vocab_size, where)
+
+
+class HeadRows:
+    """For drafts that score with a full head (DFlash: the target's; MTP: the shared or its own): a
+    reduced vocabulary is that head's `d2t` rows, gathered once. A draft mixing this in provides
+    `config.vocab_size`, `config.draft_vocab_size` and `full_head() -> ([V, H] weight, run dtype)`,
+    and calls `_register_head_rows()` in `__init__` and `_init_head_rows(device)` in `init_buffers`."""
+
+    def _register_head_rows(self) -> None:
+        # draft id -> target id [Vd], and the head's rows for it [Vd, H] (None for the full vocabulary)
+        self.register_buffer("draft_to_target", None, persistent=False)
+        self.register_buffer("head_rows", None, persistent=False)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        return self.config.draft_vocab_size != self.config.vocab_size
+
+    def _init_head_rows(self, device) -> None:
+        if self.reduced_vocab:          # the first Vd ids until the checkpoint's d2t says which
+            self.select_vocabulary(torch.arange(self.config.draft_vocab_size, device=device))
+
+    def select_vocabulary(self, mapping: torch.Tensor) -> None:
+        # mapping: [Vd] target ids -> the rows of the full head that the draft scores (a copy)
+        head, dtype = self.full_head()
+        head = head.detach()
+        self.draft_to_target = mapping.to(head.device)
+        self.head_rows = head[self.draft_to_target].to(dtype)
+
+    def to_target(self, logits: torch.Tensor) -> torch.Tensor:
+        # [..., Vd] -> [..., V] (-inf outside the draft vocabulary; unchanged for the full one)
+        if not self.reduced_vocab:
+            return logits
+        return to_target_logits(logits, self.draft_to_target, self.config.vocab_size)
