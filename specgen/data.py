@@ -333,6 +333,8 @@ def error_record(record: PromptRecord, message: str) -> dict:
         "finish_reason": "error",
         "error": message,
         "spec": None,
+        "logprobs": None,
+        "prompt_logprobs": None,
     }
 
 

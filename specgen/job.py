@@ -46,6 +46,7 @@ from specgen.machine import choose_threads, cpu_has_avx512, cpu_has_bf16
 from specgen.pipelines.compiled import freezes, use_compile_cache
 from specgen.pipelines.host_policy import HostDraftPolicy
 from specgen.pipelines.hybrid_policy import HybridPolicy
+from specgen.pipelines.logprobs import Logprobs
 from specgen.pipelines.policy import FIRST_PROBE_INTERVAL, AdaptivePolicy, FixedPolicy, per_position_prior
 from specgen.pipelines.reasoning import THINK_END, THINK_START, ReasoningMarkers
 from specgen.pipelines.relaxed import RelaxedAcceptance
@@ -401,7 +402,10 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     use_kernel, num_sms = attention_kernel_for(r.device)
     step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,
                        num_sms=num_sms, relaxed=relaxed, host_k=recipe.draft.k_max if proposer is not None else 0,
-                       host_drafts=proposer is not None)
+                       host_drafts=proposer is not None,
+                       logprobs=Logprobs(recipe.sampling.logprobs, recipe.sampling.logprobs_mode)
+                       if recipe.sampling.logprobs is not None else None,
+                       prompt_logprobs=recipe.sampling.prompt_logprobs)
     s = recipe.sampling
     sampling = SamplingTensors.build([s.temperature] * b, [s.top_k] * b, [s.top_p] * b,
                                      [s.min_p] * b, r.device)
@@ -527,6 +531,8 @@ def result_record(c: Completion) -> dict:
         "num_prompt_tokens": c.num_prompt_tokens, "num_output_tokens": len(c.token_ids),
         "num_reasoning_tokens": c.num_reasoning_tokens, "finish_reason": c.finish_reason, "error": c.error,
         "spec": c.spec.to_dict() if c.spec is not None else None,
+        "logprobs": c.logprobs,
+        "prompt_logprobs": c.prompt_logprobs,
     }
 
 

@@ -142,6 +142,9 @@ class SamplingSpec:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     relaxed_acceptance: RelaxedAcceptanceSpec | None = None  # None = strict (lossless) everywhere
+    logprobs: int | None = None  # the target's logprobs of each output token and its top-N (None = off)
+    logprobs_mode: str = "processed"  # processed (after temperature / top-k / top-p / min-p) | raw
+    prompt_logprobs: int | None = None  # the target's logprobs of each prompt token and its top-N (None = off)
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,8 +464,10 @@ _TRAIN = tuple(TrainSpec.__dataclass_fields__)
 _TARGET = ("model", "dtype", "load_format", "hf_overrides")
 _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic", "max_speculative_tokens",
           "dtype", "suffix_history")
+LOGPROBS_MODES = ("processed", "raw")    # pipelines/logprobs.py
+LOGPROBS_MAX_TOP = 20                   # vLLM's default cap on top logprobs
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos",
-             "relaxed_acceptance")
+             "relaxed_acceptance", "logprobs", "logprobs_mode", "prompt_logprobs")
 _RELAXED = ("top_k", "delta")
 _RUNTIME = ("device", "batch_size", "max_seq_len", "compile", "threads")
 
@@ -539,6 +544,9 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         stop=_stop_list(check, s),
         ignore_eos=check.get(s, "sampling.ignore_eos", _boolean, False),
         relaxed_acceptance=_relaxed_acceptance(check, s),
+        logprobs=check.get(s, "sampling.logprobs", _optional(_integer(0, LOGPROBS_MAX_TOP)), None),
+        logprobs_mode=check.get(s, "sampling.logprobs_mode", _choice(LOGPROBS_MODES), "processed"),
+        prompt_logprobs=check.get(s, "sampling.prompt_logprobs", _optional(_integer(0, LOGPROBS_MAX_TOP)), None),
     )
 
     r = check.section(data, "runtime", _RUNTIME)

@@ -106,6 +106,24 @@ def test_draft_method_none_gives_identical_greedy_tokens(setup):
     assert spec == plain and any(spec.values())
 
 
+def test_records_carry_the_logprobs_asked_for(setup):
+    root, target, draft, prompts = setup
+    recipe = write_recipe(root, target, draft)
+    out = root / "logprobs.jsonl"
+    result = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(out),
+                    "--set", "sampling.logprobs=2", "--set", "sampling.prompt_logprobs=1")
+    assert result.exit_code == 3, result.output
+    records = {r["id"]: r for r in read_lines(out)}
+    a = records["a"]
+    assert [e["token_id"] for e in a["logprobs"]] == a["token_ids"]
+    assert all(e["logprob"] <= 0 and len(e["top"]) == 2 for e in a["logprobs"])
+    assert len(a["prompt_logprobs"]) == a["num_prompt_tokens"] and a["prompt_logprobs"][0] is None
+    assert all(len(e["top"]) == 1 for e in a["prompt_logprobs"][1:])
+    assert records["line-2"]["logprobs"] is None        # an error record has the fields, empty
+    plain = invoke("run", str(recipe), "--prompts", str(prompts), "--output", str(root / "none.jsonl"))
+    assert plain.exit_code == 3 and read_lines(root / "none.jsonl")[0]["logprobs"] is None
+
+
 def test_stop_strings_cut_the_text(setup):
     root, target, draft, prompts = setup
     recipe = write_recipe(root, target, draft)

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from test_logprobs import assert_close_entries
+from test_logprobs import run as logprob_run
 from test_speculative import make_recipe, models, prompts, run, runner_for  # noqa: F401  (fixture)
 
 import specgen.pipelines.unified as unified
@@ -27,19 +29,23 @@ def lowered_anew():
 
 
 def test_compiled_sampled_step_equals_eager(models, lowered_anew):  # noqa: F811
-    """Seeded sampling, compiled and eager, gives the same tokens (greedy compiled steps: the oracle
-    drafts' compiled cases, test_oracle_drafts.py), and the compiled step really is frozen with its
-    GEMMs on the C++ template."""
-    sampling = {"temperature": 0.8, "top_p": 0.9}
+    """Seeded sampling, compiled and eager, gives the same tokens and the same logprobs (greedy
+    compiled steps: the oracle drafts' compiled cases, test_oracle_drafts.py), and the compiled step
+    really is frozen with its GEMMs on the C++ template."""
+    sampling = {"temperature": 0.8, "top_p": 0.9, "logprobs": 3}
     target, draft = models
     ids = prompts(lengths=(3, 11, 6))
-    eager, eager_totals = run(runner_for(make_recipe(target, draft, k=2, batch=1, **sampling)), ids, max_tokens=12)
+    eager_runner = runner_for(make_recipe(target, draft, k=2, batch=1, **sampling))
+    eager = logprob_run(eager_runner, ids, max_tokens=12)
     compiled_runner = runner_for(make_recipe(target, draft, k=2, batch=1, compile=True, **sampling))
     assert compiled_runner.compiled
     torch._dynamo.reset()     # compile here, whatever ran before in this process
     counters.clear()
-    compiled, compiled_totals = run(compiled_runner, ids, max_tokens=12)
-    assert compiled == eager
+    compiled = logprob_run(compiled_runner, ids, max_tokens=12)
+    eager_totals, compiled_totals = eager_runner.totals, compiled_runner.totals
+    for key, (tokens, entries) in eager.items():
+        assert compiled[key][0] == tokens
+        assert_close_entries(compiled[key][1], entries, 1e-5)
     assert compiled_totals.spec.acceptance_histogram == eager_totals.spec.acceptance_histogram
     # The weights were frozen, i.e. really folded in (freezing set in torch.compile's options alone
     # never reaches Inductor), and the GEMMs went through Inductor's C++ template (prepacked weights)

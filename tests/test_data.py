@@ -279,6 +279,8 @@ def test_error_record_has_all_fields():
         "finish_reason": "error",
         "error": "bad",
         "spec": None,
+        "logprobs": None,
+        "prompt_logprobs": None,
     }
 
 

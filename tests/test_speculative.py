@@ -70,7 +70,8 @@ def runner_for(recipe, draft_override=None):
     r = resolve(recipe)
     runner, _, _ = build_runner(recipe, r, recipe.sampling.seed)
     if draft_override is not None:
-        step = UnifiedStep(runner.unified.target, draft_override)
+        step = UnifiedStep(runner.unified.target, draft_override, logprobs=runner.unified.logprobs,
+                           prompt_logprobs=runner.unified.prompt_logprobs)
         runner = Runner(step, batch_size=runner.batch_size, max_seq_len=runner.max_seq_len,
                         rules=runner.rules, sampling=runner.sampling, seed=runner.seed,
                         device=runner.device, dtype=torch.float32)

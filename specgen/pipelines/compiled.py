@@ -372,18 +372,18 @@ class StepFunctions:
     def _prefill_in_float32(self) -> bool:
         return self._bf16_prefill_is_slow and not self.prefill_compiled
 
-    def prefill(self, batch: PrefillBatch) -> None:
+    def prefill(self, batch: PrefillBatch) -> torch.Tensor | None:
+        """None, or the packed prompt logprobs when the step reports them (UnifiedStep.prefill)."""
         if self._prefill_in_float32:
             with float32_products():
-                self._prefill(self.state, self.caches, batch, self.sampling)
-            return
+                return self._prefill(self.state, self.caches, batch, self.sampling)
         if self.prefill_compiled:
             for t in (batch.rows, batch.tokens, batch.positions, batch.next_tokens, batch.last_index,
                       batch.is_last, batch.noise_key, batch.limit, batch.reasoning):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             for t in (batch.tokens, batch.positions, batch.next_tokens):
                 torch._dynamo.maybe_mark_dynamic(t, 1)
-        self._prefill(self.state, self.caches, batch, self.sampling)
+        return self._prefill(self.state, self.caches, batch, self.sampling)
 
     def warm_up(self, kv_len: int, prefill_batches: list[PrefillBatch], ks: tuple[int, ...] = (),
                 plain: bool = False, verifies: tuple[int, ...] = ()) -> float:

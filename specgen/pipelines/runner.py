@@ -8,7 +8,8 @@ that fails never stops the others). It owns:
   draft of k tokens (none for k = 0) and the verify of k + 1 rows per slot (pipelines/unified.py),
   and telling the policy what each step accepted and how long it took;
 - the host side of each step: ONE device->host read per step of a `[B, k+4]` tensor (accepted,
-  accepted only by relaxed acceptance, the last committed token, emitted). On CUDA the loop issues
+  accepted only by relaxed acceptance, the last committed token, emitted; with logprobs, each
+  token's packed logprobs after them). On CUDA the loop issues
   step n+1 BEFORE it reads step n (through a pinned buffer and an event), so the host's Python work
   overlaps the device; a slot that finished at step n therefore runs once more, harmlessly (its
   results are ignored, and the device stops a slot at its length limit by itself). On CPU nothing
@@ -35,6 +36,7 @@ from specgen.pipelines.host_policy import profile as profile_host
 from specgen.pipelines.host_policy import refresh as refresh_host
 from specgen.pipelines.hybrid_policy import HybridPolicy
 from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy, SlotView
+from specgen.pipelines.logprobs import unpack
 from specgen.pipelines.prefill import PrefillItem, pack, plan_prefill
 from specgen.pipelines.reasoning import ReasoningMarkers, split, start_state
 from specgen.pipelines.stats import SpecCounters
@@ -70,6 +72,8 @@ class Completion:
     error: str | None = None
     reasoning_text: str | None = None    # the reasoning, split from `text` (None: there was none)
     num_reasoning_tokens: int = 0
+    logprobs: list[dict] | None = None   # one entry per token of token_ids (pipelines/logprobs.py)
+    prompt_logprobs: list[dict | None] | None = None   # one per prompt token (the first: None)
 
 
 @dataclass(slots=True)
@@ -91,6 +95,8 @@ class _Slot:
     counters: SpecCounters
     first_step: int                  # the first step whose results belong to this request
     reasoning_start: bool | None = None   # the state the prompt leaves the output in
+    logprobs: list[dict] | None = None    # one entry per token added to the tracker (logprobs on)
+    prompt_logprobs: list[dict | None] | None = None
 
 
 @dataclass(slots=True)
@@ -190,7 +196,9 @@ class Runner:
         self.functions = StepFunctions(step, self.state, self.caches, sampling, device=device,
                                        compile=compile)
         self._compiled = self.functions.compiled
-        self.reader = _HostReader(device, (batch_size, step.k + 4), self.lag + 1)
+        # per token of a step's output: 1 column, and the packed logprobs when asked for
+        self.lp_width = step.logprobs.width if step.logprobs is not None else 0
+        self.reader = _HostReader(device, (batch_size, step.k + 4 + (step.k + 2) * self.lp_width), self.lag + 1)
         self.warmed = False
         self._prepared: list = []             # the policies warm_up has prepared
         self.step_no = 0
@@ -199,6 +207,7 @@ class Runner:
         self.gaps = [0] * batch_size
         self.last_k = 0               # k of the last step issued
         self.totals = RunTotals(spec=SpecCounters(step.k))  # live: readable after an interrupt
+        self._prompt_logprobs: dict[int, list[dict | None]] = {}   # by slot, filled by the prefill
 
     @property
     def compiled(self) -> bool:
@@ -506,6 +515,8 @@ class Runner:
             if number == slot.first_step:
                 if proposer is not None:
                     proposer.extend(b, (last,))
+                if slot.logprobs is not None:
+                    slot.logprobs.append(self._logprobs(rows[b], k, -1, last))
                 if slot.tracker.add(last):
                     self._release(b, slots, finish)
                     continue
@@ -521,12 +532,20 @@ class Runner:
             committed = emitted[: accepted + 1]
             if proposer is not None:
                 self.policy.observe_tokens(b, committed)
-            for token in committed:
+            for i, token in enumerate(committed):
                 if proposer is not None:
                     proposer.extend(b, (token,))     # up to the last token the output keeps
+                if slot.logprobs is not None:
+                    slot.logprobs.append(self._logprobs(rows[b], k, i, token))
                 if slot.tracker.add(token):
                     self._release(b, slots, finish)
                     break
+
+    def _logprobs(self, row: list[int], k: int, i: int, token: int) -> dict:
+        """The record entry of emitted token i (-1: the first token, sampled by the prefill) of a slot's
+        output row from a step of k drafts (layout: pipelines/unified.py)."""
+        start = 3 + (k + 1) + (i + 1) * self.lp_width
+        return unpack(row[start:start + self.lp_width], token, self.unified.logprobs.top)
 
     def _release(self, b: int, slots: list[_Slot | None], finish) -> None:
         finish(self._completion(slots[b]))
@@ -564,7 +583,9 @@ class Runner:
                 finish(Completion(request.id, [], "", "error", len(request.prompt_ids), None, failed[b]))
                 continue
             slots[b] = _Slot(request, OutputTracker(self.rules, self._max_tokens(request)),
-                             SpecCounters(self.unified.k), first_step=self.step_no, reasoning_start=starts[b])
+                             SpecCounters(self.unified.k), first_step=self.step_no, reasoning_start=starts[b],
+                             logprobs=[] if self.lp_width else None,
+                             prompt_logprobs=self._prompt_logprobs.pop(b, None))
             lengths[b] = len(request.prompt_ids)
             self.gaps[b] = 1              # the draft re-reads the prompt's last position
             self.policy.admit(b)
@@ -598,10 +619,21 @@ class Runner:
         return {b: f"prefill failed: {type(e).__name__}: {e}" for b, e in failures.items()}
 
     def _prefill_items(self, items: list[PrefillItem]) -> None:
+        top = self.unified.prompt_logprobs
+        if top is not None:
+            for item in items:
+                self._prompt_logprobs[item.slot] = [None] * len(item.prompt)
         for call in plan_prefill(items, chunk=self.prefill_chunk, budget=self.prefill_budget):
             key_index = self.functions.key_index(self.kv_bucket(call.start + call.width))
-            self.functions.prefill(pack(call, self.alloc_len, key_index, self.device))
+            packed = self.functions.prefill(pack(call, self.alloc_len, key_index, self.device))
             self.totals.prefill_calls += 1
+            if packed is None:
+                continue
+            # entry j of a row: the prompt token at position start + j + 1 (a host read: prompt logprobs only)
+            for r, row in enumerate(packed.tolist()):
+                prompt, out = call.items[r].prompt, self._prompt_logprobs[call.items[r].slot]
+                for p in range(call.start + 1, min(call.start + call.chunk + 1, len(prompt))):
+                    out[p] = unpack(row[p - call.start - 1], prompt[p], top)
 
     def _max_tokens(self, request: Request) -> int:
         return min(request.max_tokens, self.max_seq_len - len(request.prompt_ids))
@@ -629,7 +661,8 @@ class Runner:
     def _completion(self, slot: _Slot) -> Completion:
         t = slot.tracker
         completion = Completion(slot.request.id, list(t.token_ids), "", t.finish_reason,
-                                len(slot.request.prompt_ids), slot.counters)
+                                len(slot.request.prompt_ids), slot.counters, logprobs=slot.logprobs,
+                                prompt_logprobs=slot.prompt_logprobs)
         parts = split(t.token_ids, self.reasoning, slot.reasoning_start) if self.reasoning is not None else None
         if parts is None or (not parts.reasoning and len(parts.content) == len(t.token_ids)):
             completion.text = t.final_text()     # no reasoning and no marker: the text as decoded

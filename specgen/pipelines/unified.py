@@ -26,7 +26,9 @@ One step = `draft(k)` then `verify(T = k + 1)`; the host picks k per step (pipel
   them) and returns one int64 tensor `[B, T+3]` = (accepted, relaxed_accepted, the last committed
   token the step started from, emitted[T]), the only thing the host reads. `emitted` holds the
   accepted drafts then the correction / bonus token, padded with -1; `relaxed_accepted` counts the
-  accepted drafts that only relaxed acceptance accepted (0 without it).
+  accepted drafts that only relaxed acceptance accepted (0 without it). With `logprobs` on, W =
+  1 + 2N more columns follow for the first token (the prefill's; the host reads them at a
+  request's first step) and W for each of the T emitted tokens (pipelines/logprobs.py).
 - `draft(state, caches, sampling, key_index, window, k)`: the draft first absorbs every committed
   position since its last call (entries read from the ring: after a step of k drafts, the k + 1
   verified positions; after plain steps, all the positions they skipped), then proposes k tokens into
@@ -55,6 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.models.attention import AttentionBatch
+from specgen.pipelines.logprobs import Logprobs, logprob_view, pack
 from specgen.pipelines.reasoning import states_after
 from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.verify import verify
@@ -78,10 +81,12 @@ class StepState:
     tokens: torch.Tensor | None = None      # [B, R] int64 committed tokens by position % R
     host_drafts: torch.Tensor | None = None  # [B, K] int64: a hybrid's host proposals (written before a step)
     host_use: torch.Tensor | None = None     # [B] bool: ... and the slots that take them over the model's
+    first_logprobs: torch.Tensor | None = None  # [B, W] int64: the first token's packed logprobs (prefill's)
 
     def _fields(self) -> tuple[torch.Tensor | None, ...]:
         return (self.pending, self.cache_lens, self.active, self.limit, self.noise_key, self.reasoning,
-                self.draft_probs, self.draft_len, self.features, self.tokens, self.host_drafts, self.host_use)
+                self.draft_probs, self.draft_len, self.features, self.tokens, self.host_drafts, self.host_use,
+                self.first_logprobs)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self._fields() if t is not None]
@@ -126,8 +131,13 @@ class UnifiedStep:
 
     def __init__(self, target, draft=None, *, stochastic_drafts: bool = False, use_kernel: bool = False,
                  num_sms: int = 1, relaxed: RelaxedAcceptance | None = None, host_k: int = 0,
-                 host_drafts: bool = False) -> None:
+                 host_drafts: bool = False, logprobs: Logprobs | None = None,
+                 prompt_logprobs: int | None = None) -> None:
         self.target = target
+        # the target's logprobs of each emitted token (pipelines/logprobs.py), packed into the output,
+        # and of each prompt token with its top `prompt_logprobs` (returned by the prefill)
+        self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs
         self.draft = draft
         # K_max. `host_k`: without a draft model, the host writes up to host_k drafts into `pending`
         # before each verify (drafts/suffix.py); the step never knows where its drafts came from.
@@ -156,19 +166,21 @@ class UnifiedStep:
                  if self.stochastic else None)
         zeros = torch.zeros(slots, dtype=torch.long, device=device)
         flags = torch.zeros(slots, dtype=torch.bool, device=device)
-        ring = {}
+        optional = {}
         if self.draft is not None:
             width = len(self.capture) * self.target.hidden_size
-            ring = {"draft_len": zeros.clone(),
-                    "features": torch.zeros(slots, self.ring_len, width, dtype=self.draft_dtype or dtype,
-                                            device=device),
-                    "tokens": torch.zeros(slots, self.ring_len, dtype=torch.long, device=device)}
+            optional = {"draft_len": zeros.clone(),
+                        "features": torch.zeros(slots, self.ring_len, width, dtype=self.draft_dtype or dtype,
+                                                device=device),
+                        "tokens": torch.zeros(slots, self.ring_len, dtype=torch.long, device=device)}
         if self.host_drafts:
-            ring.update(host_drafts=torch.zeros(slots, self.k, dtype=torch.long, device=device),
-                        host_use=flags.clone())
+            optional.update(host_drafts=torch.zeros(slots, self.k, dtype=torch.long, device=device),
+                            host_use=flags.clone())
+        if self.logprobs is not None:
+            optional["first_logprobs"] = torch.zeros(slots, self.logprobs.width, dtype=torch.long, device=device)
         return StepState(pending=torch.zeros(slots, self.k + 1, dtype=torch.long, device=device),
                          cache_lens=zeros.clone(), active=flags.clone(), limit=zeros.clone(),
-                         noise_key=zeros.clone(), reasoning=flags.clone(), draft_probs=probs, **ring)
+                         noise_key=zeros.clone(), reasoning=flags.clone(), draft_probs=probs, **optional)
 
     def new_caches(self, slots: int, max_len: int, dtype: torch.dtype, device) -> StepCaches:
         draft = (self.draft.new_cache(slots, max_len, self.draft_dtype or dtype, device)
@@ -262,6 +274,11 @@ class UnifiedStep:
             logprobs, drafts, draft_probs, sampling.greedy, state.noise_key, positions + 1,
             relaxed=relaxed, all_greedy=sampling.all_greedy)
         out = torch.cat((accepted.unsqueeze(1), relaxed_accepted.unsqueeze(1), pending[:, :1], emitted), 1)
+        if self.logprobs is not None:
+            # ... then the first token's (read at a request's first step only) and each emitted token's
+            view = logprob_view(logits, logprobs, sampling, self.logprobs.mode)
+            packed = pack(view, emitted.clamp(min=0), self.logprobs.top)               # [B, T, W]
+            out = torch.cat((out, state.first_logprobs, packed.flatten(1)), 1)
         # commit: rejected positions need no undo, their K/V lie past the new length
         new_lens = state.cache_lens + (accepted + 1) * active
         if self.draft is not None:
@@ -300,8 +317,10 @@ class UnifiedStep:
     # -- prefill -------------------------------------------------------------------------------------
 
     def prefill(self, state: StepState, caches: StepCaches, batch: PrefillBatch,
-                sampling: SamplingTensors) -> None:
-        # batch: n rows of T tokens; updates the rows' state in place (only rows with is_last finish)
+                sampling: SamplingTensors) -> torch.Tensor | None:
+        # batch: n rows of T tokens; updates the rows' state in place (only rows with is_last finish).
+        # -> None, or with prompt_logprobs [n, T, W]: entry j holds the logprobs of next_tokens[:, j]
+        # (the prompt token after position j; the chunk's last entry at a prompt's end is scratch)
         if self.timer is not None:
             self.timer.begin(is_step=False)
         rows, last = batch.rows, batch.last_index
@@ -311,11 +330,16 @@ class UnifiedStep:
         hidden, aux = self.target(batch.tokens, batch.positions, caches.target, attn, capture=self.capture)
         row_sampling = sampling.select(rows)
         length = batch.positions[index, last] + 1                                       # [n]
-        logprobs = process_logits(self.target.logits(hidden[index, last].unsqueeze(1)), row_sampling)
+        logits = self.target.logits(hidden[index, last].unsqueeze(1))                   # [n, 1, V]
+        logprobs = process_logits(logits, row_sampling)
         _, emitted, _ = verify(logprobs, batch.tokens[:, :0], None, row_sampling.greedy, batch.noise_key,
                                length.unsqueeze(1), all_greedy=sampling.all_greedy)
         first = emitted[:, 0]                                                           # [n]
         done = batch.is_last
+        if self.logprobs is not None:
+            view = logprob_view(logits, logprobs, row_sampling, self.logprobs.mode)
+            packed = pack(view, emitted[:, :1], self.logprobs.top)[:, 0]              # [n, W]
+            state.first_logprobs[rows] = torch.where(done[:, None], packed, state.first_logprobs[rows])
         if self.draft is not None:
             # the draft absorbs the chunk: the entry of its last token pairs it with the token after
             # it (the next prompt token mid-prompt, the sampled first token at the end); no proposal
@@ -338,8 +362,14 @@ class UnifiedStep:
         state.noise_key[rows] = batch.noise_key
         state.reasoning[rows] = torch.where(done, batch.reasoning, state.reasoning[rows])
         state.active[rows] = done & (length < batch.limit)
+        prompt = None
+        if self.prompt_logprobs is not None:
+            # the model's own distribution over the prompt (temperature 1, no filter), as vLLM's
+            prompt = pack(torch.log_softmax(self.target.logits(hidden).float(), -1), batch.next_tokens,
+                          self.prompt_logprobs)
         if self.timer is not None:
             self.timer.mark("prefill")
+        return prompt
 
 
 def _floating_dtype(module) -> torch.dtype | None:
