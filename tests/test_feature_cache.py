@@ -85,7 +85,8 @@ def test_a_kill_mid_write_loses_only_the_sequence_being_written(target, tmp_path
 
 
 def test_training_with_the_store_computes_features_once(tmp_path, monkeypatch):
-    """Two methods, one store: the second computes only the layers the first did not."""
+    """Two methods, one store: the second computes only the layers the first did not; a run whose
+    features are all stored runs the target for none of them (training and held-out agreement)."""
     from test_training import train_recipe
 
     from specgen.recipe import recipe_from_dict
@@ -103,8 +104,15 @@ def test_training_with_the_store_computes_features_once(tmp_path, monkeypatch):
     assert first.steps >= 20 and sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
     assert "kept on disk in bfloat16" in (tmp_path / "mtp" / "README.md").read_text()
     lines.clear()
+    live = []
+    import specgen.training.evaluate as evaluate
+    import specgen.training.trainer as trainer
+
+    for module in (evaluate, trainer):
+        monkeypatch.setattr(module, "target_features", lambda *args, **kw: live.append(1))
     train_draft(recipe_from_dict(train_recipe(tmp_path, target_dir, "mtp", tmp_path / "mtp2", feature_cache=True,
                                               learning_rate=2e-3)), on_status=lines.append)
     assert not [line for line in lines if line.startswith("target features:")]     # all there already
+    assert not live
     stores = list(Path(tmp_path / "cache" / "features").iterdir())
     assert len(stores) == 1 and (stores[0] / "layer-5" / "index.jsonl").is_file()

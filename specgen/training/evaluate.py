@@ -22,14 +22,16 @@ from specgen.training.features import padded_batch, target_features
 
 @torch.no_grad()
 def heldout_agreement(draft, target, trainer, sequences: list[tuple[list[int], int]], spec, *,
-                      autocast: torch.dtype | None, batch_size: int) -> list[float]:
-    """Per drafted position: top-1 agreement with the target's answer on held-out sequences."""
+                      autocast: torch.dtype | None, batch_size: int, features=None) -> list[float]:
+    """Per drafted position: top-1 agreement with the target's answer on held-out sequences.
+    `features(batch, tokens)`: their target features from a store (train.feature_cache), else live."""
     correct = count = None
     generator = torch.Generator().manual_seed(12345)        # same anchors every time: comparable
     for start in range(0, len(sequences), batch_size):
         device = target.input_embedding.device
-        tokens, scored = (t.to(device) for t in padded_batch(sequences[start:start + batch_size]))
-        aux = target_features(target, tokens, draft.aux_layer_ids)
+        batch = sequences[start:start + batch_size]
+        tokens, scored = (t.to(device) for t in padded_batch(batch))
+        aux = features(batch, tokens) if features is not None else target_features(target, tokens, draft.aux_layer_ids)
         with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             _, c, n = trainer.loss(draft, aux, tokens, scored, spec, generator)
         correct = c.double() if correct is None else correct + c.double()

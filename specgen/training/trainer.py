@@ -259,14 +259,19 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     store, feature_seconds = None, 0.0
     if spec.feature_cache and step < len(order):
         started = time.perf_counter()
-        store = _filled_store(target, train, draft.aux_layer_ids, r.target_folder, dtype_name, status)
+        # the held-out sequences too: agreement is measured every eval_every steps on the same ones
+        store = _filled_store(target, train + heldout, draft.aux_layer_ids, r.target_folder, dtype_name, status)
         feature_seconds = time.perf_counter() - started
+
+    def cached_features(batch, tokens: torch.Tensor) -> torch.Tensor:
+        return store.read(batch, draft.aux_layer_ids, tokens.shape[1], dtype).to(r.device)
 
     def evaluate() -> list[float]:
         draft.eval()
         try:
             return heldout_agreement(draft, target, trainer, heldout, spec, autocast=autocast,
-                                     batch_size=spec.batch_size)
+                                     batch_size=spec.batch_size,
+                                     features=cached_features if store is not None else None)
         finally:
             draft.train()
 
@@ -285,7 +290,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
             batch = [train[i] for i in order[step]]
             tokens, scored = (t.to(r.device) for t in padded_batch(batch))
             if store is not None:
-                aux = store.read(batch, draft.aux_layer_ids, tokens.shape[1], dtype).to(r.device)
+                aux = cached_features(batch, tokens)
             else:
                 aux = target_features(target, tokens, draft.aux_layer_ids)
             generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
