@@ -25,7 +25,7 @@ from specgen.sampling import SamplingTensors, process_logits
 TOP = 4
 SAMPLINGS = {
     "greedy": {},
-    "sampled": {"temperature": 0.8, "top_k": 3, "top_p": 0.9},      # top_k < TOP: filtered tokens
+    "sampled": {"temperature": 0.8, "top_k": 3, "top_p": 0.9, "min_p": 0.05},      # top_k < TOP: filtered tokens
     "raw": {"temperature": 0.8, "top_k": 20, "logprobs_mode": "raw"},
 }
 
@@ -53,7 +53,7 @@ def reference(runner, prompt, output, sampling: dict) -> tuple[torch.Tensor, tor
     logits, _ = forward_logits(model, tokens, positions, cache, length)
     logits = logits[:, len(prompt) - 1:length - 1]                                     # [1, N, V]
     params = SamplingTensors.build([sampling.get("temperature", 0.0)], [sampling.get("top_k", 0)],
-                                   [sampling.get("top_p", 1.0)], [0.0])
+                                   [sampling.get("top_p", 1.0)], [sampling.get("min_p", 0.0)])
     view = logprob_view(logits, process_logits(logits, params), params, sampling.get("logprobs_mode", "processed"))[0]
     return view.gather(-1, torch.tensor(output).unsqueeze(-1))[:, 0], view
 
@@ -98,6 +98,22 @@ def test_logprobs_are_the_targets_and_the_same_under_every_draft(models, name):
             assert_close_entries(spec[f"p{i}"][1], entries, 1e-5)
     if name == "sampled":         # filtered tokens are left out of `top`: fewer than N pairs somewhere
         assert any(len(e["top"]) < TOP for _, entries in plain.values() for e in entries)
+
+
+def test_host_drafts_report_the_same_logprobs(models):
+    """Suffix drafting: the host's proposals, verified without a draft model."""
+    from test_suffix import suffix_recipe
+
+    target, draft = models
+    ids = [p * 3 for p in prompts()]              # repeats: the suffix index finds proposals
+    sampling = {"temperature": 0.8, "logprobs": 2}
+    plain = run(runner_for(make_recipe(target, **sampling)), ids)
+    runner = runner_for(suffix_recipe(target, k=3, **sampling))
+    spec = run(runner, ids)
+    assert runner.totals.spec.num_drafts > 0
+    for key, (output, entries) in plain.items():
+        assert spec[key][0] == output
+        assert_close_entries(spec[key][1], entries, 1e-5)
 
 
 @pytest.mark.parametrize("method", ["dflash", "mtp"])
@@ -168,4 +184,5 @@ def test_prompt_logprobs_are_the_targets_over_the_prompt(models, chunk):
                 assert math.isclose(entries[p]["logprob"], float(view[p - 1, prompt[p]]), abs_tol=1e-4)
                 top = view[p - 1].topk(3)
                 assert [t for t, _ in entries[p]["top"]] == top.indices.tolist()
+                assert [v for _, v in entries[p]["top"]] == pytest.approx(top.values.tolist(), abs=1e-4)
             assert results[f"p{i}"].logprobs is None          # sampling.logprobs is off

@@ -14,7 +14,9 @@ Contract:
   processed distribution (filtered by top-k / top-p / min-p) are left out of `top`, which then
   holds fewer than N pairs; the emitted token itself always has a finite log-probability.
 A verified token's row comes from the same logits plain decoding computes for it (row-invariant
-attention, pipelines/unified.py), so the values do not depend on the draft, k or the batch.
+attention, pipelines/unified.py), so its values do not depend on the draft, k or the batch. The
+first token's and the prompt's come from the prefill, whose batching follows which slots are free:
+the same to rounding.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def pack(view: torch.Tensor, tokens: torch.Tensor, top: int) -> torch.Tensor:
 
 
 def unpack(columns: list[int], token: int, top: int) -> dict:
-    """One token's packed columns (pack's layout) -> its record entry."""
+    """One token's packed columns (pack's layout) -> its record entry. Records are strict JSON: a
+    non-finite log-probability (a prompt token the model rules out, NaN from an overflow) is null,
+    and leaves `top`."""
     floats = struct.unpack(f"<{1 + top}f", struct.pack(f"<{1 + top}i", columns[0], *columns[1 + top:1 + 2 * top]))
-    pairs = [[columns[1 + i], floats[1 + i]] for i in range(top) if floats[1 + i] != -math.inf]
-    return {"token_id": token, "logprob": floats[0], "top": pairs}
+    pairs = [[columns[1 + i], floats[1 + i]] for i in range(top) if math.isfinite(floats[1 + i])]
+    return {"token_id": token, "logprob": floats[0] if math.isfinite(floats[0]) else None, "top": pairs}

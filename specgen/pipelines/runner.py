@@ -616,6 +616,7 @@ class Runner:
                         failures[b] = exc_alone
         for b in failures:
             self.state.active[b] = False
+            self._prompt_logprobs.pop(b, None)
         return {b: f"prefill failed: {type(e).__name__}: {e}" for b, e in failures.items()}
 
     def _prefill_items(self, items: list[PrefillItem]) -> None:
@@ -625,15 +626,19 @@ class Runner:
                 self._prompt_logprobs[item.slot] = [None] * len(item.prompt)
         for call in plan_prefill(items, chunk=self.prefill_chunk, budget=self.prefill_budget):
             key_index = self.functions.key_index(self.kv_bucket(call.start + call.width))
-            packed = self.functions.prefill(pack(call, self.alloc_len, key_index, self.device))
+            batch = pack(call, self.alloc_len, key_index, self.device)
+            hidden = self.functions.prefill(batch)
             self.totals.prefill_calls += 1
-            if packed is None:
+            if hidden is None:
                 continue
-            # entry j of a row: the prompt token at position start + j + 1 (a host read: prompt logprobs only)
-            for r, row in enumerate(packed.tolist()):
-                prompt, out = call.items[r].prompt, self._prompt_logprobs[call.items[r].slot]
-                for p in range(call.start + 1, min(call.start + call.chunk + 1, len(prompt))):
-                    out[p] = unpack(row[p - call.start - 1], prompt[p], top)
+            # entry j of a row: the prompt token at position start + j + 1 (a device->host read of
+            # each prefill call: with prompt logprobs only)
+            wanted = [max(0, min(call.chunk, len(item.prompt) - call.start - 1)) for item in call.items]
+            packed = self.unified.prompt_logprobs_of(hidden, batch.next_tokens, wanted)
+            for item, rows in zip(call.items, packed):
+                out = self._prompt_logprobs[item.slot]
+                for j, row in enumerate(rows.tolist()):
+                    out[call.start + j + 1] = unpack(row, item.prompt[call.start + j + 1], top)
 
     def _max_tokens(self, request: Request) -> int:
         return min(request.max_tokens, self.max_seq_len - len(request.prompt_ids))

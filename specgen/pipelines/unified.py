@@ -43,8 +43,10 @@ advance. Rows past a slot's own gap in the draft window sit at its committed len
 `PrefillBatch`: padded rows, per-row positions, possibly one chunk of a longer prompt); for rows whose
 prompt ends in this chunk it samples the first token with the same keyed sampler, lets the draft
 absorb the prompt (no proposal: the next `draft` call proposes, re-reading the prompt's last
-position) and activates the slot. It returns nothing: the first token reaches the host as the "last
-committed token" of the slot's first step, so prefill adds no device->host read.
+position) and activates the slot. It returns nothing (with `prompt_logprobs`: the chunk's last hidden
+states, which the host turns into prompt logprobs outside the step, `prompt_logprobs_of`): the first
+token reaches the host as the "last committed token" of the slot's first step, so prefill adds no
+device->host read.
 
 Noise positions: logits row i predicts the token at `cache_lens + i + 1`; that absolute position keys
 its randomness, so the token sampled there never depends on the batch, the draft, k, or call order.
@@ -57,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from specgen.models.attention import AttentionBatch
-from specgen.pipelines.logprobs import Logprobs, logprob_view, pack
+from specgen.pipelines.logprobs import Logprobs, logprob_view, pack, width
 from specgen.pipelines.reasoning import states_after
 from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.verify import verify
@@ -319,8 +321,7 @@ class UnifiedStep:
     def prefill(self, state: StepState, caches: StepCaches, batch: PrefillBatch,
                 sampling: SamplingTensors) -> torch.Tensor | None:
         # batch: n rows of T tokens; updates the rows' state in place (only rows with is_last finish).
-        # -> None, or with prompt_logprobs [n, T, W]: entry j holds the logprobs of next_tokens[:, j]
-        # (the prompt token after position j; the chunk's last entry at a prompt's end is scratch)
+        # -> None, or with prompt_logprobs the last layer's output [n, T, H] (prompt_logprobs_of)
         if self.timer is not None:
             self.timer.begin(is_step=False)
         rows, last = batch.rows, batch.last_index
@@ -362,14 +363,27 @@ class UnifiedStep:
         state.noise_key[rows] = batch.noise_key
         state.reasoning[rows] = torch.where(done, batch.reasoning, state.reasoning[rows])
         state.active[rows] = done & (length < batch.limit)
-        prompt = None
-        if self.prompt_logprobs is not None:
-            # the model's own distribution over the prompt (temperature 1, no filter), as vLLM's
-            prompt = pack(torch.log_softmax(self.target.logits(hidden).float(), -1), batch.next_tokens,
-                          self.prompt_logprobs)
         if self.timer is not None:
             self.timer.mark("prefill")
-        return prompt
+        return hidden if self.prompt_logprobs is not None else None
+
+    @torch.inference_mode()
+    def prompt_logprobs_of(self, hidden: torch.Tensor, next_tokens: torch.Tensor, lengths: list[int],
+                           rows_at_once: int = 1024) -> list[torch.Tensor]:
+        """hidden: [n, T, H] (prefill's), next_tokens: [n, T], lengths: each row's entries wanted ->
+        per row [length, W] int64: entry j holds the packed logprobs of next_tokens[r, j] (the prompt
+        token after position j) under the model's own distribution (temperature 1, no filter, as
+        vLLM's prompt logprobs). Eager and in slices of `rows_at_once` positions: the head over a
+        whole prefill call (n * T * V floats) is more memory than the step ever holds."""
+        out = []
+        for r, length in enumerate(lengths):
+            parts = []
+            for start in range(0, length, rows_at_once):
+                end = min(start + rows_at_once, length)
+                logprobs = torch.log_softmax(self.target.logits(hidden[r, start:end].unsqueeze(0)).float(), -1)
+                parts.append(pack(logprobs, next_tokens[r, start:end].unsqueeze(0), self.prompt_logprobs)[0])
+            out.append(torch.cat(parts) if parts else next_tokens.new_zeros(0, width(self.prompt_logprobs)))
+        return out
 
 
 def _floating_dtype(module) -> torch.dtype | None:
