@@ -297,7 +297,8 @@ class StepFunctions:
         return sum(self.compile_seconds.values())
 
     def verify(self, kv_len: int, t: int) -> torch.Tensor:
-        """Verify T = t pending tokens per slot (t = 1: plain decoding); returns the step's [B, t+3] (more columns with logprobs: UnifiedStep)."""
+        """Verify T = t pending tokens per slot (t = 1: plain decoding); returns the step's [B, t+3]
+        (more columns with logprobs: UnifiedStep)."""
         if self.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         state, caches, sampling = self._rows
@@ -310,8 +311,8 @@ class StepFunctions:
 
     def step(self, kv_len: int, window: int, k: int) -> torch.Tensor:
         """Variant k (k >= 1): propose k tokens per slot after absorbing up to `window` positions,
-        then verify the k + 1 pending tokens; returns the step's [B, k+4] (more with logprobs). Compiled, one graph (and
-        one call) per k, built on its first use."""
+        then verify the k + 1 pending tokens; returns the step's [B, k+4] (more with logprobs).
+        Compiled, one graph (and one call) per k, built on its first use."""
         unified = self.unified
         state, caches, sampling = self._rows
         if unified.draft is None:
