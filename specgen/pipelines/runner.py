@@ -43,6 +43,8 @@ from specgen.pipelines.stats import SpecCounters
 from specgen.pipelines.stops import OutputTracker, StopRules, cut_at_stop
 from specgen.pipelines.unified import UnifiedStep
 from specgen.sampling import SamplingTensors
+from specgen.structured.formats import ResponseFormat
+from specgen.structured.grammar import GrammarEngine, GrammarError, SlotGrammar
 
 MIN_KV_BUCKET = 256
 CPU_KV_GRANULE = 64
@@ -59,6 +61,7 @@ class Request:
     request_key: int                 # position-keyed noise depends on (seed, request_key, position)
     error: str | None = None         # a request that failed before generation (bad line, tokenizer)
     generation_start: int = 0        # where the chat template's generation prompt starts in prompt_ids
+    response_format: ResponseFormat | None = None   # the output's constraint (specgen/structured)
 
 
 @dataclass(slots=True)
@@ -97,6 +100,8 @@ class _Slot:
     reasoning_start: bool | None = None   # the state the prompt leaves the output in
     logprobs: list[dict] | None = None    # one entry per token added to the tracker (logprobs on)
     prompt_logprobs: list[dict | None] | None = None
+    grammar: SlotGrammar | None = None    # the response format's state over the committed tokens
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -165,8 +170,12 @@ class Runner:
                  compile: bool = False, overlap: bool | None = None, prefill_chunk: int | None = None,
                  prefill_budget: int | None = None, reasoning: ReasoningMarkers | None = None,
                  policy: AdaptivePolicy | FixedPolicy | HostDraftPolicy | HybridPolicy | None = None,
-                 proposer=None) -> None:
+                 proposer=None, grammar: GrammarEngine | None = None) -> None:
         self.unified = step
+        # structured output: requests with a response_format get a grammar state each, and the
+        # step's rows their token masks (`_write_masks`); needs a step built with structured=True
+        assert grammar is None or step.structured, "a grammar engine needs a structured step"
+        self.grammar = grammar
         # the step's relaxed acceptance and the slots' start states must read the same markers
         relaxed = step.relaxed.markers if step.relaxed is not None else None
         assert reasoning is None or relaxed is None or reasoning == relaxed, "two sets of reasoning markers"
@@ -188,8 +197,10 @@ class Runner:
         self.caches = step.new_caches(batch_size, self.alloc_len, dtype, device)
         self.state = step.new_state(batch_size, device, dtype)
         self.lag = int(device.type == "cuda" if overlap is None else overlap)
-        if proposer is not None:
-            self.lag = 0      # a step's host drafts need the previous step's tokens: issued once it is read
+        if proposer is not None or grammar is not None:
+            # a step's host drafts, and its rows' token masks, need the previous step's tokens:
+            # issued once it is read
+            self.lag = 0
         kind = "cuda" if device.type == "cuda" else "cpu"
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK[kind]
         self.prefill_budget = max(prefill_budget or PREFILL_BUDGET[kind], self.prefill_chunk)
@@ -208,6 +219,10 @@ class Runner:
         self.last_k = 0               # k of the last step issued
         self.totals = RunTotals(spec=SpecCounters(step.k))  # live: readable after an interrupt
         self._prompt_logprobs: dict[int, list[dict | None]] = {}   # by slot, filled by the prefill
+        # the token masks' host copy: [B, K+1, W] int32, all allowed outside structured slots
+        self._host_masks = (torch.full(tuple(self.state.token_masks.shape), -1, dtype=torch.int32)
+                            if self.state.token_masks is not None else None)
+        self._grammars: dict[int, SlotGrammar] = {}      # the structured slots' states, by slot
 
     @property
     def compiled(self) -> bool:
@@ -362,6 +377,7 @@ class Runner:
 
     def _loop(self, pending: Iterator[Request], finish, totals: RunTotals) -> None:
         self.state.active.zero_()                       # an interrupted run may have left slots live
+        self._grammars.clear()
         if self.width != self.batch_size:               # a previous run ended narrowed
             self.width = self.batch_size
             self.functions.use_slots(self.batch_size)
@@ -414,10 +430,11 @@ class Runner:
         if host_only:
             # the host's drafts are in `pending`: the verify of k + 1 rows (a draft model, if any, does
             # not run: it absorbs these positions at its next step, from the ring the verify writes)
+            self._write_masks(k)
             out = functions.verify(kv_len, k + 1)
         elif k > 0:
             window = max(self.gaps[b] for b in live)
-            out = functions.step(kv_len, window, k)
+            out = functions.step(kv_len, window, k, between=self._write_masks if self._grammars else None)
             # a draft catching up on plain steps' positions (after a run of k = 0) costs more than
             # drafting does in a run of k (measured: 10.5 ms for 53 positions against 1.9 for 2, EAGLE-3
             # on SmolLM2, fp32): a one-off, not the variant's cost, however short the run (the policy
@@ -426,6 +443,7 @@ class Runner:
             for b in range(self.batch_size):
                 self.gaps[b] = 0
         else:
+            self._write_masks(0)
             out = functions.verify(kv_len, 1)
         compiled = functions.compiled_seconds() - compiled_before     # a variant built at first use
         totals.compile_seconds += compiled
@@ -438,6 +456,18 @@ class Runner:
         totals.steps += 1
         totals.k_steps[k] += 1
         return k, (k if steady else None)
+
+    def _write_masks(self, k: int) -> None:
+        """The token masks of the k + 1 rows each structured slot verifies: row i allows what its
+        grammar allows after the committed tokens and the drafts before row i (read from `pending`,
+        after the draft and before the verify). Other slots' rows allow everything."""
+        if not self._grammars:
+            return
+        drafts = self.state.pending[:, 1:k + 1].tolist() if k else None
+        host = self._host_masks
+        for b, grammar in self._grammars.items():
+            grammar.fill(host[b, :k + 1], drafts[b] if k else [])
+        self.state.token_masks[:, :k + 1].copy_(host[:, :k + 1], non_blocking=True)
 
     def _host_drafts(self, live: list[int], k: int) -> tuple[int, dict[int, int], bool]:
         """The host's proposals for the live slots, and what the step does with them. Without a draft
@@ -496,6 +526,9 @@ class Runner:
             slots[dst], slots[src] = slots[src], None
             lengths[dst] = lengths[src]
             self.gaps[dst] = self.gaps[src]
+            if src in self._grammars:
+                self._grammars[dst] = self._grammars.pop(src)
+                self._host_masks[dst] = self._host_masks[src]
             self.policy.move(src, dst)
             if self.proposer is not None:
                 self.proposer.move(src, dst)
@@ -517,7 +550,8 @@ class Runner:
                     proposer.extend(b, (last,))
                 if slot.logprobs is not None:
                     slot.logprobs.append(self._logprobs(rows[b], k, -1, last))
-                if slot.tracker.add(last):
+                # (its grammar took it at admission: the step's masks needed it)
+                if self._finishes(slot, last, in_grammar=True):
                     self._release(b, slots, finish)
                     continue
             if drafted is None:
@@ -537,9 +571,26 @@ class Runner:
                     proposer.extend(b, (token,))     # up to the last token the output keeps
                 if slot.logprobs is not None:
                     slot.logprobs.append(self._logprobs(rows[b], k, i, token))
-                if slot.tracker.add(token):
+                if self._finishes(slot, token):
                     self._release(b, slots, finish)
                     break
+
+    def _finishes(self, slot: _Slot, token: int, in_grammar: bool = False) -> bool:
+        """Add a committed token to the request's output (and, unless `in_grammar`, its grammar); True
+        when it ends it: a stop (EOS, a stop string), its length, or its grammar's end."""
+        grammar = slot.grammar
+        if grammar is not None and (slot.error is not None if in_grammar else not grammar.advance(token)):
+            # never for a token the masks allowed: the request's error, loud, never a silent output
+            slot.tracker.token_ids.append(token)
+            slot.tracker.finish_reason = "error"
+            slot.error = f"structured output: the grammar refused committed token {token} (a specgen bug)"
+            return True
+        if slot.tracker.add(token):
+            return True
+        if grammar is not None and grammar.finished:
+            slot.tracker.finish_reason = "stop"
+            return True
+        return False
 
     def _logprobs(self, row: list[int], k: int, i: int, token: int) -> dict:
         """The record entry of emitted token i (-1: the first token, sampled by the prefill) of a slot's
@@ -550,6 +601,7 @@ class Runner:
     def _release(self, b: int, slots: list[_Slot | None], finish) -> None:
         finish(self._completion(slots[b]))
         slots[b] = None
+        self._grammars.pop(b, None)
         if self.proposer is not None:
             self.proposer.finish(b)
         # The device would stop the slot only at its length limit; a stop string or EOS ends it here
@@ -569,6 +621,8 @@ class Runner:
                 more = False
                 break
             error = request.error or self._check_prompt(request)
+            if error is None and request.response_format is not None and self.grammar is None:
+                error = "response_format: this runner was built without structured output"
             if error is not None:
                 finish(Completion(request.id, [], "", "error", len(request.prompt_ids), None, error))
                 continue
@@ -577,6 +631,13 @@ class Runner:
             return more
         starts = {b: start_state(r.prompt_ids[r.generation_start:], self.reasoning)
                   if self.reasoning is not None else None for b, r in admitted}
+        grammars, bad = self._start_grammars(admitted, starts)
+        for b, request in admitted:
+            if b in bad:
+                finish(Completion(request.id, [], "", "error", len(request.prompt_ids), None, bad[b]))
+        admitted = [(b, r) for b, r in admitted if b not in bad]
+        if not admitted:
+            return more
         failed = self._prefill(admitted, starts)
         for b, request in admitted:
             if b in failed:
@@ -585,7 +646,14 @@ class Runner:
             slots[b] = _Slot(request, OutputTracker(self.rules, self._max_tokens(request)),
                              SpecCounters(self.unified.k), first_step=self.step_no, reasoning_start=starts[b],
                              logprobs=[] if self.lp_width else None,
-                             prompt_logprobs=self._prompt_logprobs.pop(b, None))
+                             prompt_logprobs=self._prompt_logprobs.pop(b, None), grammar=grammars.get(b))
+            if b in grammars:
+                # the first token (the prefill's) reaches the host with the slot's first step, but that
+                # step's rows are masked after it: read it now (structured runs have no lag anyway)
+                first = int(self.state.pending[b, 0])
+                if not grammars[b].advance(first):
+                    slots[b].error = f"structured output: the grammar refused the first token {first} (a specgen bug)"
+                self._grammars[b] = grammars[b]
             lengths[b] = len(request.prompt_ids)
             self.gaps[b] = 1              # the draft re-reads the prompt's last position
             self.policy.admit(b)
@@ -593,6 +661,30 @@ class Runner:
                 self.proposer.admit(b, request.prompt_ids)
             totals.prompt_tokens += len(request.prompt_ids)
         return more
+
+    def _start_grammars(self, admitted: list[tuple[int, Request]], starts: dict[int, bool | None]
+                        ) -> tuple[dict[int, SlotGrammar], dict[int, str]]:
+        """Each admitted request's grammar state (those with a response_format), and the row-0 mask
+        its first token is sampled under (the prefill's); every other admitted slot's rows allow
+        everything. Returns the states and {slot: error} for formats that do not compile."""
+        if self._host_masks is None:
+            return {}, {}
+        grammars, bad = {}, {}
+        closes = self.reasoning.closes if self.reasoning is not None else ()
+        for b, request in admitted:
+            self._host_masks[b].fill_(-1)
+            if request.response_format is None:
+                continue
+            try:
+                grammar = self.grammar.matcher(request.response_format, closes, thinking=starts[b] is True)
+            except GrammarError as err:
+                bad[b] = str(err)
+                continue
+            grammar.fill(self._host_masks[b, :1], [])
+            grammars[b] = grammar
+        for b, _ in admitted:
+            self.state.token_masks[b].copy_(self._host_masks[b])
+        return grammars, bad
 
     def _prefill(self, admitted: list[tuple[int, Request]], starts: dict[int, bool | None]) -> dict[int, str]:
         """Run the batched prefill; on a failure, retry each request alone so that only the bad one
@@ -667,7 +759,7 @@ class Runner:
         t = slot.tracker
         completion = Completion(slot.request.id, list(t.token_ids), "", t.finish_reason,
                                 len(slot.request.prompt_ids), slot.counters, logprobs=slot.logprobs,
-                                prompt_logprobs=slot.prompt_logprobs)
+                                prompt_logprobs=slot.prompt_logprobs, error=slot.error)
         parts = split(t.token_ids, self.reasoning, slot.reasoning_start) if self.reasoning is not None else None
         if parts is None or (not parts.reasoning and len(parts.content) == len(t.token_ids)):
             completion.text = t.final_text()     # no reasoning and no marker: the text as decoded

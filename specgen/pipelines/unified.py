@@ -16,6 +16,10 @@ Contract (DESIGN.md sections 3 and 7). Device state lives in one `StepState` (st
 - a hybrid (a draft model and host proposals, `host_drafts=True`): `host_drafts [B, K]` and
   `host_use [B]`, written by the host before a step: the slots marked take the host's proposal
   instead of the model's block (the draft still runs for every slot: it keeps absorbing).
+- structured output (`structured=True`): `token_masks [B, K+1, W]`, the tokens the grammar allows at
+  each verified row (specgen/structured/masks.py), written by the host after the draft and before
+  the verify (and row 0 before a prefill, for the first token); an unconstrained slot's rows allow
+  everything. The draft proposes freely: a draft the grammar refuses is rejected at its own row.
 
 One step = `draft(k)` then `verify(T = k + 1)`; the host picks k per step (pipelines/policy.py):
 - `verify(state, caches, sampling, key_index, rows)`: merge -> target -> verify -> commit over the
@@ -64,6 +68,7 @@ from specgen.pipelines.reasoning import states_after
 from specgen.pipelines.relaxed import RelaxedAcceptance
 from specgen.pipelines.verify import verify
 from specgen.sampling import SamplingTensors, process_logits, sample_draft
+from specgen.structured.masks import apply_token_masks, mask_words
 
 
 RING_MIN = 64     # ring positions at least (K_max + 1 + the longest catch-up)
@@ -84,11 +89,12 @@ class StepState:
     host_drafts: torch.Tensor | None = None  # [B, K] int64: a hybrid's host proposals (written before a step)
     host_use: torch.Tensor | None = None     # [B] bool: ... and the slots that take them over the model's
     first_logprobs: torch.Tensor | None = None  # [B, W] int64: the first token's packed logprobs (prefill's)
+    token_masks: torch.Tensor | None = None     # [B, K+1, Wm] int32: each row's allowed tokens (structured)
 
     def _fields(self) -> tuple[torch.Tensor | None, ...]:
         return (self.pending, self.cache_lens, self.active, self.limit, self.noise_key, self.reasoning,
                 self.draft_probs, self.draft_len, self.features, self.tokens, self.host_drafts, self.host_use,
-                self.first_logprobs)
+                self.first_logprobs, self.token_masks)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self._fields() if t is not None]
@@ -134,8 +140,12 @@ class UnifiedStep:
     def __init__(self, target, draft=None, *, stochastic_drafts: bool = False, use_kernel: bool = False,
                  num_sms: int = 1, relaxed: RelaxedAcceptance | None = None, host_k: int = 0,
                  host_drafts: bool = False, logprobs: Logprobs | None = None,
-                 prompt_logprobs: int | None = None) -> None:
+                 prompt_logprobs: int | None = None, structured: bool = False) -> None:
         self.target = target
+        # structured output (specgen/structured): token masks the host writes before each verify
+        # (and before a prefill), applied to the target's logits of every row; off, the graphs are
+        # the unconstrained ones
+        self.structured = structured
         # the target's logprobs of each emitted token (pipelines/logprobs.py), packed into the output,
         # and of each prompt token with its top `prompt_logprobs` (returned by the prefill)
         self.logprobs = logprobs
@@ -180,6 +190,9 @@ class UnifiedStep:
                             host_use=flags.clone())
         if self.logprobs is not None:
             optional["first_logprobs"] = torch.zeros(slots, self.logprobs.width, dtype=torch.long, device=device)
+        if self.structured:
+            optional["token_masks"] = torch.full((slots, self.k + 1, mask_words(self.target.vocab_size)), -1,
+                                                 dtype=torch.int32, device=device)
         return StepState(pending=torch.zeros(slots, self.k + 1, dtype=torch.long, device=device),
                          cache_lens=zeros.clone(), active=flags.clone(), limit=zeros.clone(),
                          noise_key=zeros.clone(), reasoning=flags.clone(), draft_probs=probs, **optional)
@@ -260,6 +273,9 @@ class UnifiedStep:
         # merge + target: one forward over the last token and the drafts of every slot
         hidden, aux = self.target(pending, positions, caches.target, attn, capture=self.capture)
         logits = self.target.logits(hidden)
+        if state.token_masks is not None:
+            # row i: the tokens the grammar allows after pending[:, :i + 1] (the bonus row included)
+            logits = apply_token_masks(logits, state.token_masks.index_select(1, rows))
         if timer is not None:
             timer.mark("target")
         logprobs = process_logits(logits, sampling)
@@ -332,6 +348,8 @@ class UnifiedStep:
         row_sampling = sampling.select(rows)
         length = batch.positions[index, last] + 1                                       # [n]
         logits = self.target.logits(hidden[index, last].unsqueeze(1))                   # [n, 1, V]
+        if state.token_masks is not None:     # the first token: the grammar's start (row 0, host-written)
+            logits = apply_token_masks(logits, state.token_masks[rows, :1])
         logprobs = process_logits(logits, row_sampling)
         _, emitted, _ = verify(logprobs, batch.tokens[:, :0], None, row_sampling.greedy, batch.noise_key,
                                length.unsqueeze(1), all_greedy=sampling.all_greedy)
