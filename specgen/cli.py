@@ -200,6 +200,9 @@ def bench(
     split: Annotated[bool, typer.Option(help="Time split of a step per phase (an eager twin of each "
                                              "configuration, after the timed runs).")] = True,
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a field of every recipe: a.b=value.")] = None,
+    response_format: Annotated[Path | None, typer.Option(help=(
+        "A JSON or YAML file holding a response_format ({type: json_schema, schema: ...}, regex, choice, "
+        "grammar): every configuration runs again with its outputs under it, beside ar under it."))] = None,
 ) -> None:
     """Speed-up of speculative decoding over plain decoding and transformers, on the same prompts."""
     import shlex
@@ -234,7 +237,14 @@ def bench(
     from specgen.bench.measure import BenchError, BenchOptions, run_bench
     from specgen.bench.report import table, write_json, write_png
 
-    options = BenchOptions(prompts, limit, sizes, max_tokens, chosen, repeats, extra_ks, split, chunk)
+    fmt = None
+    if response_format is not None:
+        try:
+            fmt = read_response_format(response_format)
+        except ValueError as err:
+            console.print(f"[red]--response-format: {err}[/red]", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+    options = BenchOptions(prompts, limit, sizes, max_tokens, chosen, repeats, extra_ks, split, chunk, fmt)
     out = output or Path("outputs") / f"bench-{paths[0].stem}.json"
     png = plot or out.with_suffix(".png")
     try:
@@ -253,6 +263,19 @@ def bench(
         console.print(f"[red]{len(failures)} of {len(report.measurements)} measurements failed[/red]",
                       highlight=False)
         raise typer.Exit(1)
+
+
+def read_response_format(path: Path):
+    """A response_format from a JSON or YAML file (ValueError naming the file and field)."""
+    import yaml
+
+    from specgen.structured.formats import parse_response_format
+
+    try:
+        value = yaml.safe_load(path.read_text())      # JSON is YAML
+    except (OSError, yaml.YAMLError) as err:
+        raise ValueError(f"{path}: cannot read it ({err})") from None
+    return parse_response_format(value, str(path))
 
 
 def _sibling_draft_recipes(first: Path, given: list[Path]) -> list[Path]:

@@ -663,6 +663,10 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "spec": every["spec"].to_dict(),
         # how this run chose k: steps per k (0 = plain), and the adaptive policy's estimates
         "speculation": {"k_steps": totals.k_steps, **runner.policy.summary()},
+        # structured output: the host's share of a step (reading the drafts, the grammar's masks)
+        "structured": {"mask_ms_per_step": 1000 * totals.mask_seconds / max(1, totals.steps),
+                       "step_ms": 1000 * totals.step_seconds / max(1, totals.steps)}
+        if runner.grammar is not None else None,
         "seed": seed,
         "recipe": recipe.to_dict(),
         "notes": notes,

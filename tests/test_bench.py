@@ -167,10 +167,10 @@ def test_a_configuration_that_fails_leaves_the_others_figures(tmp_path, monkeypa
     real = measure._run_specgen
     breaks = {}
 
-    def breaking(runner, prompts, max_tokens, tag, suffix_job=None):
+    def breaking(runner, prompts, max_tokens, tag, suffix_job=None, response_format=None):
         if runner.unified.draft is not None and breaks["when"](tag, runner.policy):
             raise RuntimeError(breaks["error"])
-        return real(runner, prompts, max_tokens, tag, suffix_job)
+        return real(runner, prompts, max_tokens, tag, suffix_job, response_format)
 
     monkeypatch.setattr(measure, "_run_specgen", breaking)
     eagle3 = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
@@ -226,3 +226,30 @@ def test_suffix_drafting_remembers_a_round_across_its_legs(tmp_path, monkeypatch
     assert len(row["leg_samples"]) == 3
     # the second and third answers repeat the first: every block after their opening ones accepts 4
     assert row["mean_acceptance_length"] > 3.0, row
+
+
+def test_bench_runs_each_configuration_again_under_a_response_format(tmp_path, monkeypatch):
+    """--response-format FILE: every configuration (hf aside) twice, free and constrained; a
+    constrained one's speed-up is over ar under the same format."""
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    config = tiny_llama_config(vocab_size=300)
+    target = write_llama_checkpoint(tmp_path / "target", config)
+    draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config, draft_vocab_size=200), config)
+    fmt = tmp_path / "format.json"
+    fmt.write_text(json.dumps({"type": "regex", "pattern": "[ab]{3}-[0-9]{2}"}))
+    result, out = bench(tmp_path, target, {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2},
+                        "--limit", "2", "--batch-sizes", "2", "--max-tokens", "12", "--repeats", "1",
+                        "--baselines", "ar", "--no-split", "--response-format", str(fmt))
+    assert result.exit_code == 0, result.output
+    rows = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"ar", "eagle3 K=2", "ar +regex", "eagle3 K=2 +regex"}
+    assert rows["ar +regex"]["speedup_vs_ar"] == 1.0
+    constrained = rows["eagle3 K=2 +regex"]
+    paired = [s / a for s, a in zip(constrained["leg_samples"], rows["ar +regex"]["leg_samples"], strict=True)]
+    assert constrained["speedup_vs_ar"] == pytest.approx(statistics.median(paired))
+    # the constrained runs are short (7 tokens and EOS at most) where the free ones run to 12
+    assert rows["ar +regex"]["output_tokens"] < rows["ar"]["output_tokens"]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"type": "regex"}))
+    result, _ = bench(tmp_path, target, {"method": "none"}, "--response-format", str(bad))
+    assert result.exit_code == 2 and "bad.json.pattern: expected a non-empty string" in result.output

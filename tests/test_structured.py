@@ -302,6 +302,10 @@ def test_run_takes_the_recipes_format_and_each_lines_own(models, tmp_path):
     assert records["free"]["finish_reason"] == "length" and records["free"]["error"] is None
     assert "does not compile" in records["bad-pattern"]["error"]
     assert "line 5: response_format.pattern:" in records["bad-shape"]["error"]
+    # the stats say what the host's masks cost a step
+    stats = json.loads((tmp_path / "out.jsonl.stats.json").read_text())
+    assert set(stats["structured"]) == {"mask_ms_per_step", "step_ms"}
+    assert 0 < stats["structured"]["mask_ms_per_step"] < stats["structured"]["step_ms"]
     # a recipe whose format has the wrong shape is refused before anything loads, naming the field
     bad = yaml.safe_load(recipe.read_text())
     bad["sampling"]["response_format"] = {"type": "choice", "choices": "yes"}

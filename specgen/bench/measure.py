@@ -50,6 +50,7 @@ from specgen.pipelines.phases import PhaseTimer
 from specgen.pipelines.runner import Request
 from specgen.pipelines.stats import SpecCounters
 from specgen.recipe import Recipe
+from specgen.structured.formats import ResponseFormat
 
 
 class BenchError(Exception):
@@ -72,6 +73,9 @@ class BenchOptions:
     ks: tuple[int | str, ...] = ()        # more K settings per recipe (ints, "auto")
     split: bool = True                    # the eager twins' time split of a step
     chunk: int | None = None              # prompts per leg of a round (None: max(batch, 4); prompt_legs)
+    # every configuration (hf aside) again with its outputs under this format ("<name> +<kind>"),
+    # compared with ar under the same format
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(slots=True)
@@ -194,6 +198,10 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
         if any(label == name for name, _, _ in configs):       # two recipes of one method and K
             label = f"{label} ({recipe.source.stem if recipe.source else n + 1})"
         configs.append((label, recipe, checkpoints))
+    fmt = options.response_format
+    if fmt is not None and fmt.constrains:
+        configs += [(f"{name} +{fmt.kind}", _constrained(recipe, fmt), checkpoints)
+                    for name, recipe, checkpoints in list(configs)]
     if "hf" in options.baselines:
         if base.target.load_format == "dummy":
             status("hf baseline skipped: target.load_format is dummy (transformers needs weights)")
@@ -211,6 +219,15 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
         report.measurements.extend(measured)
     report.threads = torch.get_num_threads()
     return report
+
+
+def _constrained(recipe: Recipe, fmt: ResponseFormat) -> Recipe:
+    return replace(recipe, sampling=replace(recipe.sampling, response_format=fmt))
+
+
+def _format_of(recipe: Recipe | None) -> ResponseFormat | None:
+    fmt = recipe.sampling.response_format if recipe is not None else None
+    return fmt if fmt is not None and fmt.constrains else None
 
 
 def _family(recipe: Recipe) -> Recipe:
@@ -304,7 +321,8 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                         runners[name] = runners[lead]
                         policies[name] = FixedPolicy(int(recipe.draft.num_speculative_tokens))
                     runners[name].use_policy(policies[name])
-                    _run_specgen(runners[name], prompts[:batch], options.max_tokens, "warm")
+                    _run_specgen(runners[name], prompts[:batch], options.max_tokens, "warm",
+                                 response_format=_format_of(recipe))
             except (JobError, CheckpointError, ValueError):
                 raise                           # the recipe or its checkpoints: bench's own error
             except Exception as err:            # noqa: BLE001 -- this configuration's failure, reported
@@ -336,7 +354,7 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                         else:
                             runners[name].use_policy(policies[name])
                             totals, seconds = _run_specgen(runners[name], prompts[a:b], options.max_tokens,
-                                                           f"r{repeat}-{leg}", jobs[name])
+                                                           f"r{repeat}-{leg}", jobs[name], _format_of(recipe))
                             tokens = totals.output_tokens
                             steps[name].append((totals.steps, totals.step_seconds))
                             if totals.spec.num_speculative_tokens:
@@ -385,16 +403,21 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             status(f"batch {batch}: time split of {name} (eager)")
             m.split_ms = _time_split(recipe, checkpoints, batch, options, prompts, target, tokenizer,
                                      build_runner)
-    # a failed baseline leaves the others without a ratio, not without their own figures
-    ar, hf = (measurements.get(b) if b not in failed else None for b in ("ar", "hf"))
+    # a failed baseline leaves the others without a ratio, not without their own figures; a
+    # constrained configuration is compared with ar under the same format
+    hf = measurements.get("hf") if "hf" not in failed else None
+    formats = {name: _format_of(recipe) for name, recipe, _ in configs}
     per_step = {name: [s / max(1, n) for n, s in runs] for name, runs in steps.items()}   # s a step, by leg
     for m in measurements.values():
         if m.error:
             continue
+        fmt = formats.get(m.config)
+        ar_name = f"ar +{fmt.kind}" if fmt is not None else "ar"
+        ar = measurements.get(ar_name) if ar_name not in failed else None
         if ar is not None:
             m.speedup_vs_ar = paired_ratio(m.leg_samples, ar.leg_samples)
-            if per_step[m.config] and per_step["ar"]:
-                m.step_ratio = paired_ratio(per_step[m.config], per_step["ar"])
+            if per_step[m.config] and per_step[ar_name]:
+                m.step_ratio = paired_ratio(per_step[m.config], per_step[ar_name])
         if hf is not None:
             m.speedup_vs_hf = paired_ratio(m.leg_samples, hf.leg_samples)
     return list(measurements.values())
@@ -468,8 +491,10 @@ def _specgen_runner(recipe: Recipe, resolved, batch: int, options: BenchOptions,
     return runner
 
 
-def _run_specgen(runner, prompts: list[list[int]], max_tokens: int, tag: str, suffix_job=None):
-    requests = [Request(f"{tag}-{i}", p, max_tokens, i) for i, p in enumerate(prompts)]
+def _run_specgen(runner, prompts: list[list[int]], max_tokens: int, tag: str, suffix_job=None,
+                 response_format: ResponseFormat | None = None):
+    requests = [Request(f"{tag}-{i}", p, max_tokens, i, response_format=response_format)
+                for i, p in enumerate(prompts)]
     start = time.perf_counter()
     totals = runner.run(requests, lambda c: None, suffix_job=suffix_job)
     if runner.device.type == "cuda":
@@ -482,11 +507,11 @@ def _time_split(recipe, resolved, batch, options, prompts, target, tokenizer, bu
     runner = _specgen_runner(recipe, resolved, batch, options, prompts, target, tokenizer, build_runner,
                              compile=False)
     few = prompts[: max(batch, 1)]
-    _run_specgen(runner, few, 8, "split-warm")
+    _run_specgen(runner, few, 8, "split-warm", response_format=_format_of(recipe))
     timer = PhaseTimer(resolved.device)
     runner.unified.timer = timer
     try:
-        _run_specgen(runner, few, 32, "split")
+        _run_specgen(runner, few, 32, "split", response_format=_format_of(recipe))
     finally:
         runner.unified.timer = None
         runner.close()

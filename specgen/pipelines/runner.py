@@ -117,6 +117,7 @@ class RunTotals:
     # recompile); a CUDA graph recorded mid-run for a new kv bucket is not counted (inside wall_seconds)
     compile_seconds: float = 0.0
     step_seconds: float = 0.0        # the steps' iterations, admission (prefill) left out (inside wall_seconds)
+    mask_seconds: float = 0.0        # structured output: the host's token masks (inside step_seconds)
     spec: SpecCounters = field(default_factory=lambda: SpecCounters(0))
     k_steps: list[int] = field(default_factory=list)    # steps run with each k (0 = plain)
 
@@ -463,11 +464,13 @@ class Runner:
         after the draft and before the verify). Other slots' rows allow everything."""
         if not self._grammars:
             return
+        start = time.perf_counter()
         drafts = self.state.pending[:, 1:k + 1].tolist() if k else None
         host = self._host_masks
         for b, grammar in self._grammars.items():
             grammar.fill(host[b, :k + 1], drafts[b] if k else [])
         self.state.token_masks[:, :k + 1].copy_(host[:, :k + 1], non_blocking=True)
+        self.totals.mask_seconds += time.perf_counter() - start
 
     def _host_drafts(self, live: list[int], k: int) -> tuple[int, dict[int, int], bool]:
         """The host's proposals for the live slots, and what the step does with them. Without a draft
