@@ -193,7 +193,8 @@ class StepFunctions:
         self._aranges: dict[tuple[str, int], torch.Tensor] = {}
         self._rows = (state, caches, sampling)          # what the step runs over (see use_slots)
         self._verifies: dict[int, object] = {}          # t -> the compiled verify of t rows per slot
-        self._steps: dict[int, object] = {}             # k -> the compiled step of k drafts (draft + verify; structured: the draft)
+        # k -> the compiled step of k drafts (draft + verify; a structured step's: the draft alone)
+        self._steps: dict[int, object] = {}
         # ("step", k), ("verify", t): the first call; ("recompile", that name): later calls that compiled
         self.compile_seconds: dict = {}
         # the names whose compile loaded Inductor's graph cache (3-3.4x faster than lowering anew)

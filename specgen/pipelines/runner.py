@@ -586,7 +586,7 @@ class Runner:
             # never for a token the masks allowed: the request's error, loud, never a silent output
             slot.tracker.token_ids.append(token)
             slot.tracker.finish_reason = "error"
-            slot.error = f"structured output: the grammar refused committed token {token} (a specgen bug)"
+            slot.error = slot.error or f"structured output: the grammar refused committed token {token} (a specgen bug)"
             return True
         if slot.tracker.add(token):
             return True
