@@ -437,9 +437,9 @@ def recording_drafts(runner: Runner, drafts: list) -> Runner:
     functions = runner.functions
     step = functions.step
 
-    def recorded(kv_len: int, window: int, k: int):
+    def recorded(kv_len: int, window: int, k: int, between=None):
         active = functions.state.active.clone()
-        out = step(kv_len, window, k)
+        out = step(kv_len, window, k, between)
         if active.any():
             drafts.append(functions.state.pending[active, 1:k + 1].tolist())
         return out
