@@ -582,8 +582,10 @@ class Runner:
         """Add a committed token to the request's output (and, unless `in_grammar`, its grammar); True
         when it ends it: a stop (EOS, a stop string), its length, or its grammar's end."""
         grammar = slot.grammar
-        if grammar is not None and (slot.error is not None if in_grammar else not grammar.advance(token)):
-            # never for a token the masks allowed: the request's error, loud, never a silent output
+        # a token the grammar refuses (never one the masks allowed; the first token was taken at
+        # admission, where a refusal set `slot.error`) is the request's error: loud, never silent
+        refused = grammar is not None and (slot.error is not None if in_grammar else not grammar.advance(token))
+        if refused:
             slot.tracker.token_ids.append(token)
             slot.tracker.finish_reason = "error"
             slot.error = slot.error or f"structured output: the grammar refused committed token {token} (a specgen bug)"

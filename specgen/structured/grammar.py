@@ -35,17 +35,20 @@ from specgen.structured.formats import ResponseFormat
 from specgen.structured.masks import mask_words
 
 
+# JSON between tokens: compact (", " and ": "). With any whitespace allowed, a small model can spend
+# its whole budget on newlines, and the output never parses.
+JSON_ANY_WHITESPACE = False
+
+
 class GrammarError(ValueError):
     """A response format the engine cannot compile (the request's error)."""
 
 
 class GrammarEngine:
-    def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int] | set[int] = frozenset(),
-                 any_whitespace: bool = False) -> None:
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int] | set[int] = frozenset()) -> None:
         import xgrammar as xgr
 
         self.xgr = xgr
-        self.vocab_size = vocab_size
         self.words = mask_words(vocab_size)
         stops = sorted(int(i) for i in stop_ids if 0 <= i < vocab_size)
         offset = getattr(tokenizer, "offset", None)
@@ -60,17 +63,14 @@ class GrammarEngine:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                       stop_token_ids=stops or None)
         self.compiler = xgr.GrammarCompiler(info)
-        # JSON between tokens: compact (", " and ": ") unless asked; with any whitespace a small
-        # model can spend its whole budget on newlines, and the output never parses.
-        self.any_whitespace = any_whitespace
 
     def compile(self, fmt: ResponseFormat):
         c = self.compiler
         try:
             if fmt.kind == "json_schema":
-                return c.compile_json_schema(fmt.source, any_whitespace=self.any_whitespace)
+                return c.compile_json_schema(fmt.source, any_whitespace=JSON_ANY_WHITESPACE)
             if fmt.kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=JSON_ANY_WHITESPACE)
             if fmt.kind == "regex":
                 return c.compile_regex(fmt.source)
             if fmt.kind == "choice":
