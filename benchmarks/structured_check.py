@@ -69,7 +69,10 @@ def main() -> None:
             print(f"{Path(path).stem:>16}: valid {valid}/{len(records)}, identical to {Path(args.recipes[0]).stem} "
                   f"{same}/{len(records)}, acceptance length {length if length is None else round(length, 2)}, "
                   f"{summary.stats.get('output_tokens_per_second') or 0:.1f} tok/s, masks "
-                  f"{masks.get('mask_ms_per_step', 0):.2f} of {masks.get('step_ms', 0):.1f} ms a step "
+                  f"{masks.get('mask_ms_per_step', 0):.2f} of {masks.get('step_ms', 0):.1f} ms a step, "
+                  f"{masks.get('grammar_draft_tokens', 0)} drafts forced by the grammar of "
+                  f"{spec.get('num_draft_tokens', 0)}, {masks.get('refused_draft_steps', 0)} slot-steps stopped at a "
+                  f"refused draft "
                   f"(finish: {sorted({r['finish_reason'] for r in records.values()})})", flush=True)
 
 

@@ -438,7 +438,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                                   estimator)
     runner = Runner(step, batch_size=b, max_seq_len=recipe.runtime.max_seq_len, rules=rules,
                     sampling=sampling, seed=seed, device=r.device, dtype=r.dtype, compile=compile,
-                    reasoning=markers, policy=policy, proposer=proposer, grammar=grammar)
+                    reasoning=markers, policy=policy, proposer=proposer, grammar=grammar,
+                    jump_forward=recipe.draft.jump_forward)
     k_part = f"K=auto (0..{step.k})" if recipe.draft.adaptive else f"K={step.k}"
     draft_part = f"draft {recipe.draft.method} {k_part}" if recipe.draft.enabled else "no draft"
     if relaxed is not None:
@@ -665,7 +666,11 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "speculation": {"k_steps": totals.k_steps, **runner.policy.summary()},
         # structured output: the host's share of a step (reading the drafts, the grammar's masks)
         "structured": {"mask_ms_per_step": 1000 * totals.mask_seconds / max(1, totals.steps),
-                       "step_ms": 1000 * totals.step_seconds / max(1, totals.steps)}
+                       "step_ms": 1000 * totals.step_seconds / max(1, totals.steps),
+                       # drafts the grammar wrote in place of refused ones (draft.jump_forward), and
+                       # slot-steps whose drafts stopped at a refused one it could not replace
+                       "grammar_draft_tokens": totals.grammar_drafts,
+                       "refused_draft_steps": totals.refused_drafts}
         if runner.grammar is not None else None,
         "seed": seed,
         "recipe": recipe.to_dict(),

@@ -91,6 +91,9 @@ class DraftSpec:
     # suffix (alone or in a hybrid): a results file of an earlier run whose answers the job-wide index
     # starts from (opt-in: otherwise nothing crosses runs)
     suffix_history: str | None = None
+    # structured output: a draft the grammar refuses gives way to the tokens the grammar forces from
+    # there (a JSON key, its quotes and colon); argmax drafts only. Exact either way (the verify decides).
+    jump_forward: bool = True
 
     @property
     def enabled(self) -> bool:
@@ -473,7 +476,7 @@ _TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_tem
 _TRAIN = tuple(TrainSpec.__dataclass_fields__)
 _TARGET = ("model", "dtype", "load_format", "hf_overrides")
 _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic", "max_speculative_tokens",
-          "dtype", "suffix_history")
+          "dtype", "suffix_history", "jump_forward")
 LOGPROBS_MODES = ("processed", "raw")    # pipelines/logprobs.py
 LOGPROBS_MAX_TOP = 20                   # vLLM's default cap on top logprobs
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos",
@@ -528,6 +531,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         max_speculative_tokens=k_max,
         dtype=check.get(d, "draft.dtype", _choice(DTYPES), "auto"),
         suffix_history=check.get(d, "draft.suffix_history", _optional(_string), None),
+        jump_forward=check.get(d, "draft.jump_forward", _boolean, True),
     )
     # (kept without a draft: the same recipe runs plain with `--set draft.method=none`, as bench's ar)
     if draft.suffix_history is not None and host_method is None and method != "none":

@@ -95,7 +95,7 @@ def test_int_accepted_as_float():
     [
         (
             with_section("draft", modle="x"),
-            "recipe.draft.modle: unknown key (known: method, model, load_format, num_speculative_tokens, stochastic, max_speculative_tokens, dtype, suffix_history)",
+            "recipe.draft.modle: unknown key (known: method, model, load_format, num_speculative_tokens, stochastic, max_speculative_tokens, dtype, suffix_history, jump_forward)",
         ),
         (
             {**MINIMAL, "sampler": {}},

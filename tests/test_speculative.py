@@ -204,8 +204,10 @@ def small_vocab_models(tmp_path_factory):
     return target, draft
 
 
-def exact_marginals(runner: Runner, prompt: list[int], steps: int) -> list[torch.Tensor]:
-    """Marginal distributions of output tokens 1..steps under the PROCESSED target distribution."""
+def exact_marginals(runner: Runner, prompt: list[int], steps: int, allowed=None) -> list[torch.Tensor]:
+    """Marginal distributions of output tokens 1..steps under the PROCESSED target distribution;
+    `allowed`: a [V] bool tensor per output position (a grammar's mask, the same after any prefix),
+    applied to the logits before processing as the structured step applies its masks."""
     model, sampling = runner.unified.target, runner.sampling.select(torch.tensor([0]))
     marginals, joint = [], torch.ones(1)
     prefixes = [()]
@@ -216,6 +218,8 @@ def exact_marginals(runner: Runner, prompt: list[int], steps: int) -> list[torch
         with torch.no_grad():
             logits, _ = forward_logits(model, seqs, torch.arange(length).expand(n, length), cache, 64)
             logits = logits[:, -1:]
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[len(marginals)], float("-inf"))
         rows = SamplingTensors.build([float(sampling.temperature[0])] * n, [int(sampling.top_k[0])] * n,
                                      [float(sampling.top_p[0])] * n, [float(sampling.min_p[0])] * n, "cpu")
         cond = process_logits(logits, rows)[:, 0].exp()                   # [n, V]

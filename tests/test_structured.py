@@ -70,7 +70,7 @@ def prompt_ids(n: int = 5) -> list[list[int]]:
             for length in torch.randint(2, 14, (n,), generator=gen)]
 
 
-def structured_runner(recipe, draft_override=None) -> Runner:
+def structured_runner(recipe, draft_override=None, jump_forward: bool = True) -> Runner:
     r = resolve(recipe)
     runner, _, _ = build_runner(recipe, r, recipe.sampling.seed, structured=True)
     if draft_override is None:
@@ -78,7 +78,7 @@ def structured_runner(recipe, draft_override=None) -> Runner:
     step = UnifiedStep(runner.unified.target, draft_override, structured=True)
     return Runner(step, batch_size=runner.batch_size, max_seq_len=runner.max_seq_len, rules=runner.rules,
                   sampling=runner.sampling, seed=runner.seed, device=runner.device, dtype=torch.float32,
-                  grammar=runner.grammar)
+                  grammar=runner.grammar, jump_forward=jump_forward)
 
 
 def generate(runner: Runner, ids, fmt, max_tokens: int = 96) -> dict[str, tuple[list[int], str, str]]:
@@ -113,15 +113,17 @@ def test_greedy_structured_output_follows_the_format_and_speculation_changes_not
     assert free != plain           # the constraint changed the outputs (the test is not vacuous)
     spec_recipe = make_recipe(target, draft, k=3, batch=2, ignore_eos=False)
     assert generate(structured_runner(spec_recipe), ids, FORMATS[kind]) == plain
-    # oracle drafts: the constrained answer itself (every acceptance length, bonus rows included),
-    # and the unconstrained answer (drafts the grammar refuses, at every row)
-    for references, wrong in ((plain, wrong_positions), (free, never_wrong)):
-        runner = structured_runner(spec_recipe, oracle(ids, references, 3, wrong))
+    # oracle drafts: the constrained answer itself (every acceptance length, bonus rows included: no
+    # forced tokens in place of its wrong drafts), and the unconstrained answer (drafts the grammar
+    # refuses, at every row; with forced tokens in their place where the grammar has some)
+    for references, wrong, jump in ((plain, wrong_positions, False), (free, never_wrong, True)):
+        runner = structured_runner(spec_recipe, oracle(ids, references, 3, wrong), jump_forward=jump)
         assert generate(runner, ids, FORMATS[kind]) == plain
-    runner = structured_runner(spec_recipe, oracle(ids, plain, 3))
-    generate(runner, ids, FORMATS[kind])
-    histogram = runner.totals.spec.acceptance_histogram
-    assert histogram[0] > 0 and histogram[3] > 0
+        if jump:
+            assert runner.totals.grammar_drafts > 0 or runner.totals.refused_drafts > 0
+        else:
+            histogram = runner.totals.spec.acceptance_histogram
+            assert histogram[0] > 0 and histogram[3] > 0
 
 
 def test_seeded_sampled_structured_output_equals_plain_with_a_draft(models):
@@ -137,6 +139,35 @@ def test_seeded_sampled_structured_output_equals_plain_with_a_draft(models):
     spec = make_recipe(target, draft, k=3, batch=2, **sampling)
     assert generate(structured_runner(spec), ids, fmt) == plain
     assert generate(structured_runner(spec, oracle(ids, plain, 3)), ids, fmt) == plain
+
+
+def test_sampled_output_with_stochastic_drafts_has_the_constrained_distribution(tmp_path):
+    """Stochastic drafts (full rejection sampling against the draft's q, which puts mass on tokens
+    the grammar refuses) under a grammar: each output position is distributed as the target's
+    processed distribution restricted to the grammar's tokens (chi-square against the exact
+    marginals). The grammar allows a different set at each position, the same after any prefix."""
+    from test_speculative import STAT_VOCAB, chi_square_p, exact_marginals
+
+    config = tiny_llama_config(vocab_size=STAT_VOCAB)
+    target = write_llama_checkpoint(tmp_path / "target", config, seed=5)
+    draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config, draft_vocab_size=16),
+                                    config, seed=9)
+    # the stand-in's token t is byte t - 3; byte 0 (token 3) is an EOS id of the tiny config
+    spans = [(1, 9), (5, 12), (2, 16)]
+    fmt = {"type": "regex", "pattern": "".join(f"[\\x{lo:02x}-\\x{hi:02x}]" for lo, hi in spans)}
+    allowed = [torch.zeros(STAT_VOCAB, dtype=torch.bool) for _ in spans]
+    for mask, (lo, hi) in zip(allowed, spans):
+        mask[lo + 3:hi + 4] = True
+    prompt, n = [5, 9, 2, 17, 11], 2400
+    recipe = make_recipe(target, draft, k=2, batch=64, stochastic=True, temperature=1.0, ignore_eos=False)
+    runner = structured_runner(recipe)
+    out = generate(runner, [prompt] * n, fmt, max_tokens=3)
+    assert runner.totals.spec.num_accepted_tokens > 0.1 * runner.totals.spec.num_draft_tokens
+    marginals = exact_marginals(runner, prompt, 3, allowed)
+    for position, probs in enumerate(marginals):
+        samples = [out[f"p{i}"][0][position] for i in range(n)]
+        assert all(allowed[position][s] for s in samples)
+        assert chi_square_p(samples, probs) > 1e-3, f"output token {position + 1} is off-distribution"
 
 
 def test_mixed_batch_unconstrained_rows_are_untouched(models):
@@ -189,6 +220,54 @@ def test_a_finished_grammar_is_never_asked_for_a_mask():
     assert allowed[0].nonzero().flatten().tolist() == [2] and allowed[1].all() and allowed[2].all()
     assert grammar.advance(2) and grammar.finished
     assert not grammar.advance(77)
+
+
+def test_refused_drafts_give_way_to_the_tokens_the_grammar_forces():
+    """With jump_forward, a draft the grammar refuses is replaced by the forced tokens from there (and
+    the drafts after it); the rows are the masks after those; the real state never moves."""
+    engine = GrammarEngine(BYTES, V, {2})
+    byte = {ch: ord(ch) + 3 for ch in "abcdxyz-"}
+    fmt = parse_response_format({"type": "regex", "pattern": "ab(cd-x|cd-y)z"}, "r")
+    grammar = engine.matcher(fmt)
+    masks = torch.zeros(6, engine.words, dtype=torch.int32)
+    # "a" is right, then 77 is refused: "bcd-" is forced from there, one byte token each
+    walk = grammar.fill(masks, [byte["a"], 77, 78, 79, 80], jump_forward=True)
+    assert walk.drafts == [byte[c] for c in "abcd-"] and walk.written == 4 and walk.refused == 0
+    allowed = allowed_tokens(masks, V)
+    for row, ch in enumerate("abcd-"):
+        assert allowed[row].nonzero().flatten().tolist() == [byte[ch]]
+    assert allowed[5, byte["x"]] and allowed[5, byte["y"]] and not allowed[5, byte["z"]]
+    # a refused draft where the grammar forces nothing (x or y) stops the walk: later rows stay free
+    assert [grammar.advance(byte[c]) for c in "abcd-"] == [True] * 5
+    walk = grammar.fill(masks[:3], [77, byte["z"]], jump_forward=True)
+    assert walk.drafts == [77, byte["z"]] and walk.written == 0 and walk.refused == 1
+    assert allowed_tokens(masks[:3], V)[1:].all()
+    # without jump_forward the drafts stand
+    assert grammar.fill(masks[:3], [77, 78]).drafts == [77, 78]
+    assert grammar.advance(byte["y"]) and grammar.advance(byte["z"])
+
+
+def test_forced_drafts_keep_the_output_and_are_accepted(models):
+    """A random draft under a format that is mostly literal text: its drafts are refused, the grammar's
+    forced tokens take their place and the target accepts them, and the output is plain decoding's."""
+    target, draft = models
+    ids = prompt_ids()
+    fmt = {"type": "regex", "pattern": "(alpha-beta-gamma|delta-epsilon)-[0-9]{2}-(zeta|eta)-theta"}
+    plain = generate(structured_runner(make_recipe(target, batch=2, ignore_eos=False)), ids, fmt)
+    spec_recipe = make_recipe(target, draft, k=3, batch=2, ignore_eos=False)
+    accepted = {}
+    for jump in (True, False):
+        runner = structured_runner(spec_recipe, runner_draft(spec_recipe), jump_forward=jump)
+        assert generate(runner, ids, fmt) == plain
+        accepted[jump] = runner.totals.spec.num_accepted_tokens
+        assert (runner.totals.grammar_drafts > 0) == jump
+    assert accepted[True] > 2 * accepted[False] + 20, accepted
+
+
+def runner_draft(recipe):
+    """The recipe's draft model (a runner built from it holds it)."""
+    runner = structured_runner(recipe)
+    return runner.unified.draft
 
 
 def test_bitmask_unpacking_matches_the_engine():
@@ -308,7 +387,7 @@ def test_run_takes_the_recipes_format_and_each_lines_own(models, tmp_path):
     assert "line 5: response_format.pattern:" in records["bad-shape"]["error"]
     # the stats say what the host's masks cost a step
     stats = json.loads((tmp_path / "out.jsonl.stats.json").read_text())
-    assert set(stats["structured"]) == {"mask_ms_per_step", "step_ms"}
+    assert set(stats["structured"]) == {"mask_ms_per_step", "step_ms", "grammar_draft_tokens", "refused_draft_steps"}
     assert 0 < stats["structured"]["mask_ms_per_step"] < stats["structured"]["step_ms"]
     # a recipe whose format has the wrong shape is refused before anything loads, naming the field
     bad = yaml.safe_load(recipe.read_text())

@@ -118,6 +118,8 @@ class RunTotals:
     compile_seconds: float = 0.0
     step_seconds: float = 0.0        # the steps' iterations, admission (prefill) left out (inside wall_seconds)
     mask_seconds: float = 0.0        # structured output: the host's token masks (inside step_seconds)
+    grammar_drafts: int = 0          # structured output: drafts the grammar wrote (its forced tokens)
+    refused_drafts: int = 0          # structured output: slot-steps stopped at a draft the grammar refuses
     spec: SpecCounters = field(default_factory=lambda: SpecCounters(0))
     k_steps: list[int] = field(default_factory=list)    # steps run with each k (0 = plain)
 
@@ -171,12 +173,14 @@ class Runner:
                  compile: bool = False, overlap: bool | None = None, prefill_chunk: int | None = None,
                  prefill_budget: int | None = None, reasoning: ReasoningMarkers | None = None,
                  policy: AdaptivePolicy | FixedPolicy | HostDraftPolicy | HybridPolicy | None = None,
-                 proposer=None, grammar: GrammarEngine | None = None) -> None:
+                 proposer=None, grammar: GrammarEngine | None = None, jump_forward: bool = True) -> None:
         self.unified = step
         # structured output: requests with a response_format get a grammar state each, and the
         # step's rows their token masks (`_write_masks`); needs a step built with structured=True
         assert grammar is None or step.structured, "a grammar engine needs a structured step"
         self.grammar = grammar
+        # a draft the grammar refuses gives way to the tokens the grammar forces (structured/grammar.py)
+        self.jump_forward = jump_forward
         # the step's relaxed acceptance and the slots' start states must read the same markers
         relaxed = step.relaxed.markers if step.relaxed is not None else None
         assert reasoning is None or relaxed is None or reasoning == relaxed, "two sets of reasoning markers"
@@ -467,10 +471,18 @@ class Runner:
         start = time.perf_counter()
         drafts = self.state.pending[:, 1:k + 1].tolist() if k else None
         host = self._host_masks
+        # forced tokens replace refused drafts only where the drafts are argmax choices: a stochastic
+        # draft's token must be the one its stored distribution q sampled
+        jump = self.jump_forward and self.state.draft_probs is None
+        totals = self.totals
         for b, grammar in self._grammars.items():
-            grammar.fill(host[b, :k + 1], drafts[b] if k else [])
+            walk = grammar.fill(host[b, :k + 1], drafts[b] if k else [], jump_forward=jump)
+            if walk.written:
+                self.state.pending[b, 1:k + 1].copy_(torch.tensor(walk.drafts))
+            totals.grammar_drafts += walk.written
+            totals.refused_drafts += walk.refused
         self.state.token_masks[:, :k + 1].copy_(host[:, :k + 1], non_blocking=True)
-        self.totals.mask_seconds += time.perf_counter() - start
+        totals.mask_seconds += time.perf_counter() - start
 
     def _host_drafts(self, live: list[int], k: int) -> tuple[int, dict[int, int], bool]:
         """The host's proposals for the live slots, and what the step does with them. Without a draft

@@ -6,11 +6,15 @@ Contract:
   (xgrammar caches compiled grammars) and returns a fresh `SlotGrammar`, or raises `GrammarError`
   with xgrammar's reason (a malformed schema, regex or grammar: that request's error, never the job's).
 - `SlotGrammar` holds the grammar's state after the request's COMMITTED tokens only:
-  - `fill(masks, drafts)`: row i of `masks` [len(drafts) + 1, W] gets the tokens the grammar allows
-    after the committed tokens and drafts[:i]. The state is advanced through the drafts and rolled
-    back, so the real state never moves on a draft. Rows after a draft the grammar refuses stay
-    all-allowed: the verify rejects that draft at its own row, so no later row decides a token. Rows
-    past the grammar's end (a draft that completed it) likewise.
+  - `fill(masks, drafts, jump_forward)` -> `Walk`: row i of `masks` [len(drafts) + 1, W] gets the
+    tokens the grammar allows after the committed tokens and drafts[:i]. The state is advanced
+    through the drafts and rolled back, so the real state never moves on a draft. With
+    `jump_forward`, a draft the grammar refuses is replaced, with the drafts after it, by the tokens
+    the grammar forces from there (xgrammar's jump-forward tokens: a JSON key, its quotes and colon),
+    and the walk goes on through them; `Walk.drafts` are the drafts to verify. Rows after a draft
+    the grammar refuses and cannot replace stay all-allowed: the verify rejects that draft at its
+    own row, so no later row decides a token. Rows past the grammar's end (a draft that completed
+    it) likewise.
   - `advance(token)`: a committed token; False where the grammar refuses it (never for a token the
     masks allowed). `finished`: the grammar has ended (it accepted a stop token).
   - With reasoning markers and a prompt that opens a span, every row is unconstrained until the span
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 
 import torch
 
@@ -93,6 +98,14 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+@dataclass(slots=True)
+class Walk:
+    """What `SlotGrammar.fill` did with a slot's drafts."""
+    drafts: list[int]     # the drafts to verify: the model's, with the grammar's forced tokens written in
+    written: int = 0      # drafts the grammar wrote (jump-forward tokens in place of refused ones)
+    refused: int = 0      # 1 where the walk stopped at a draft the grammar refuses (nothing to force)
+
+
 class SlotGrammar:
     def __init__(self, matcher, closes: tuple[int, ...] = (), thinking: bool = False) -> None:
         self.matcher = matcher
@@ -111,9 +124,11 @@ class SlotGrammar:
             return False
         return bool(self.matcher.accept_token(token))
 
-    def fill(self, masks: torch.Tensor, drafts: list[int]) -> None:
-        # masks: [len(drafts) + 1, W] int32 (a CPU tensor), overwritten
+    def fill(self, masks: torch.Tensor, drafts: list[int], jump_forward: bool = False) -> Walk:
+        # masks: [len(drafts) + 1, W] int32 (a CPU tensor), overwritten; drafts: K token ids
         masks.fill_(-1)
+        walk = Walk(list(drafts))
+        drafts = walk.drafts
         thinking, consumed = self.thinking, 0
         m = self.matcher
         for i in range(len(drafts) + 1):
@@ -123,15 +138,24 @@ class SlotGrammar:
                 m.fill_next_token_bitmask(masks, i)
             if i == len(drafts):
                 break
-            token = drafts[i]
             if thinking:
-                thinking = token not in self.closes
-            elif m.accept_token(token):
-                consumed += 1
-            else:
-                break
+                thinking = drafts[i] not in self.closes
+                continue
+            if not m.accept_token(drafts[i]):
+                # Where the grammar forces the next characters, its tokens are a better guess than a
+                # draft it refuses (which the verify would reject). Any draft keeps the output exact:
+                # the verify decides every token.
+                forced = m.find_jump_forward_tokens() if jump_forward else []
+                if not forced or not m.accept_token(forced[0]):
+                    walk.refused = 1
+                    break
+                n = min(len(forced), len(drafts) - i)
+                drafts[i:i + n] = forced[:n]
+                walk.written += n
+            consumed += 1
         if consumed:
             m.rollback(consumed)
+        return walk
 
 
 def _short(text: str, limit: int = 300) -> str:
