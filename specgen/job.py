@@ -59,6 +59,7 @@ from specgen.registry import DRAFT_METHODS, UnsupportedError, architecture_name,
 from specgen.sampling import SamplingTensors
 from specgen.structured.formats import ResponseFormat
 from specgen.structured.grammar import GrammarEngine
+from specgen.structured.jump import JUMP_FORWARD_K
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -409,8 +410,12 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                          "inside reasoning spans, whose tokens are no longer distributed as the target's; "
                          "the rest is verified strictly")
     use_kernel, num_sms = attention_kernel_for(r.device)
+    # plain decoding under a format verifies the tokens the grammar forces as host drafts
+    # (jump-forward, structured/jump.py); the runner proposes them
+    jump_only = grammar is not None and recipe.draft.jump_forward and not recipe.draft.enabled
+    host_k = recipe.draft.k_max if proposer is not None else JUMP_FORWARD_K if jump_only else 0
     step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,
-                       num_sms=num_sms, relaxed=relaxed, host_k=recipe.draft.k_max if proposer is not None else 0,
+                       num_sms=num_sms, relaxed=relaxed, host_k=host_k,
                        host_drafts=proposer is not None,
                        logprobs=Logprobs(recipe.sampling.logprobs, recipe.sampling.logprobs_mode)
                        if recipe.sampling.logprobs is not None else None,
@@ -423,7 +428,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     if compile:
         use_compile_cache(cache_root() / "compiled")
     policy = None
-    if proposer is not None and recipe.draft.adaptive and draft is None:
+    if (proposer is not None and recipe.draft.adaptive and draft is None) or jump_only:
         policy = HostDraftPolicy(step.k, horizon_tokens=expected_tokens)
     if draft is not None:
         dummy_draft = recipe.draft.load_format == "dummy" or _draft_inside_a_dummy_target(recipe)
@@ -442,6 +447,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                     jump_forward=recipe.draft.jump_forward)
     k_part = f"K=auto (0..{step.k})" if recipe.draft.adaptive else f"K={step.k}"
     draft_part = f"draft {recipe.draft.method} {k_part}" if recipe.draft.enabled else "no draft"
+    if jump_only:
+        draft_part += f", the grammar's forced tokens verified as drafts (jump-forward, up to {step.k})"
     if relaxed is not None:
         draft_part += ", relaxed acceptance in reasoning (lossy)"
     device = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu"

@@ -242,8 +242,11 @@ def test_bench_runs_each_configuration_again_under_a_response_format(tmp_path, m
                         "--baselines", "ar", "--no-split", "--response-format", str(fmt))
     assert result.exit_code == 0, result.output
     rows = {r["config"]: r for r in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"ar", "eagle3 K=2", "ar +regex", "eagle3 K=2 +regex"}
+    assert set(rows) == {"ar", "eagle3 K=2", "ar +regex", "ar jump-forward +regex", "eagle3 K=2 +regex"}
     assert rows["ar +regex"]["speedup_vs_ar"] == 1.0
+    # plain decoding under the format drafts nothing; with jump-forward the forced "-" is verified
+    assert rows["ar +regex"]["mean_acceptance_length"] is None
+    assert rows["ar jump-forward +regex"]["mean_acceptance_length"] > 1
     constrained = rows["eagle3 K=2 +regex"]
     paired = [s / a for s, a in zip(constrained["leg_samples"], rows["ar +regex"]["leg_samples"], strict=True)]
     assert constrained["speedup_vs_ar"] == pytest.approx(statistics.median(paired))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -71,6 +72,7 @@ def prompt_ids(n: int = 5) -> list[list[int]]:
 
 
 def structured_runner(recipe, draft_override=None, jump_forward: bool = True) -> Runner:
+    recipe = replace(recipe, draft=replace(recipe.draft, jump_forward=jump_forward))
     r = resolve(recipe)
     runner, _, _ = build_runner(recipe, r, recipe.sampling.seed, structured=True)
     if draft_override is None:
@@ -106,11 +108,15 @@ def test_greedy_structured_output_follows_the_format_and_speculation_changes_not
     target, draft = models
     ids = prompt_ids()
     recipe = make_recipe(target, batch=2, ignore_eos=False)
-    plain = generate(structured_runner(recipe), ids, FORMATS[kind])
+    plain = generate(structured_runner(recipe, jump_forward=False), ids, FORMATS[kind])
     for tokens, text, reason in plain.values():
         assert reason == "stop" and follows(kind, text), (text, reason)
     free = generate(structured_runner(recipe), ids, None)
     assert free != plain           # the constraint changed the outputs (the test is not vacuous)
+    # plain decoding with jump-forward: the grammar's forced tokens verified as drafts, accepted
+    runner = structured_runner(recipe)
+    assert generate(runner, ids, FORMATS[kind]) == plain
+    assert runner.totals.spec.num_accepted_tokens > 0 and runner.totals.grammar_drafts == 0
     spec_recipe = make_recipe(target, draft, k=3, batch=2, ignore_eos=False)
     assert generate(structured_runner(spec_recipe), ids, FORMATS[kind]) == plain
     # oracle drafts: the constrained answer itself (every acceptance length, bonus rows included: no
@@ -131,9 +137,11 @@ def test_seeded_sampled_structured_output_equals_plain_with_a_draft(models):
     ids = prompt_ids()
     sampling = {"temperature": 0.9, "top_p": 0.95, "ignore_eos": False}
     fmt = FORMATS["json_schema"]
-    plain = generate(structured_runner(make_recipe(target, batch=2, **sampling)), ids, fmt)
-    greedy = generate(structured_runner(make_recipe(target, batch=2, ignore_eos=False)), ids, fmt)
+    plain = generate(structured_runner(make_recipe(target, batch=2, **sampling), jump_forward=False), ids, fmt)
+    greedy = generate(structured_runner(make_recipe(target, batch=2, ignore_eos=False), jump_forward=False), ids, fmt)
     assert plain != greedy
+    # jump-forward (plain decoding verifying the forced tokens) samples the same tokens
+    assert generate(structured_runner(make_recipe(target, batch=2, **sampling)), ids, fmt) == plain
     for tokens, text, reason in plain.values():
         assert reason == "stop" and follows("json_schema", text), text
     spec = make_recipe(target, draft, k=3, batch=2, **sampling)
@@ -253,7 +261,7 @@ def test_forced_drafts_keep_the_output_and_are_accepted(models):
     target, draft = models
     ids = prompt_ids()
     fmt = {"type": "regex", "pattern": "(alpha-beta-gamma|delta-epsilon)-[0-9]{2}-(zeta|eta)-theta"}
-    plain = generate(structured_runner(make_recipe(target, batch=2, ignore_eos=False)), ids, fmt)
+    plain = generate(structured_runner(make_recipe(target, batch=2, ignore_eos=False), jump_forward=False), ids, fmt)
     spec_recipe = make_recipe(target, draft, k=3, batch=2, ignore_eos=False)
     accepted = {}
     for jump in (True, False):
@@ -325,7 +333,7 @@ def test_suffix_drafting_under_a_schema_equals_plain(models):
     target, _ = models
     ids = prompt_ids(3) * 3
     fmt = FORMATS["json_schema"]
-    plain = generate(structured_runner(make_recipe(target, batch=2, ignore_eos=False)), ids, fmt)
+    plain = generate(structured_runner(make_recipe(target, batch=2, ignore_eos=False), jump_forward=False), ids, fmt)
     runner = structured_runner(suffix_recipe(target))
     assert generate(runner, ids, fmt) == plain
     assert runner.totals.spec.num_accepted_tokens > 0

@@ -200,8 +200,19 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
         configs.append((label, recipe, checkpoints))
     fmt = options.response_format
     if fmt is not None and fmt.constrains:
-        configs += [(f"{name} +{fmt.kind}", _constrained(recipe, fmt), checkpoints)
-                    for name, recipe, checkpoints in list(configs)]
+        constrained = []
+        for name, recipe, checkpoints in configs:
+            recipe = _constrained(recipe, fmt)
+            if recipe.draft.enabled:
+                constrained.append((f"{name} +{fmt.kind}", recipe, checkpoints))
+                continue
+            # under the format, ar is plain decoding (every token a step) and "ar jump-forward"
+            # verifies the grammar's forced tokens as drafts (structured/jump.py); drafts are
+            # compared with ar
+            constrained.append((f"{name} +{fmt.kind}", _jumping(recipe, False), checkpoints))
+            if recipe.draft.jump_forward:
+                constrained.append((f"{name} jump-forward +{fmt.kind}", recipe, checkpoints))
+        configs += constrained
     if "hf" in options.baselines:
         if base.target.load_format == "dummy":
             status("hf baseline skipped: target.load_format is dummy (transformers needs weights)")
@@ -223,6 +234,10 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
 
 def _constrained(recipe: Recipe, fmt: ResponseFormat) -> Recipe:
     return replace(recipe, sampling=replace(recipe.sampling, response_format=fmt))
+
+
+def _jumping(recipe: Recipe, on: bool) -> Recipe:
+    return replace(recipe, draft=replace(recipe.draft, jump_forward=on))
 
 
 def _format_of(recipe: Recipe | None) -> ResponseFormat | None:

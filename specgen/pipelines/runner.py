@@ -45,6 +45,7 @@ from specgen.pipelines.unified import UnifiedStep
 from specgen.sampling import SamplingTensors
 from specgen.structured.formats import ResponseFormat
 from specgen.structured.grammar import GrammarEngine, GrammarError, SlotGrammar
+from specgen.structured.jump import ForcedProposer
 
 MIN_KV_BUCKET = 256
 CPU_KV_GRANULE = 64
@@ -181,6 +182,11 @@ class Runner:
         self.grammar = grammar
         # a draft the grammar refuses gives way to the tokens the grammar forces (structured/grammar.py)
         self.jump_forward = jump_forward
+        self._grammars: dict[int, SlotGrammar] = {}      # the structured slots' states, by slot
+        if grammar is not None and jump_forward and (step.host_drafts or (step.draft is None and step.k > 0)):
+            # where the host drafts (no draft model, suffix drafting, a hybrid), the grammar's forced
+            # tokens are proposals too (structured/jump.py)
+            proposer = ForcedProposer(self._grammars, proposer)
         # the step's relaxed acceptance and the slots' start states must read the same markers
         relaxed = step.relaxed.markers if step.relaxed is not None else None
         assert reasoning is None or relaxed is None or reasoning == relaxed, "two sets of reasoning markers"
@@ -227,7 +233,6 @@ class Runner:
         # the token masks' host copy: [B, K+1, W] int32, all allowed outside structured slots
         self._host_masks = (torch.full(tuple(self.state.token_masks.shape), -1, dtype=torch.int32)
                             if self.state.token_masks is not None else None)
-        self._grammars: dict[int, SlotGrammar] = {}      # the structured slots' states, by slot
 
     @property
     def compiled(self) -> bool:

@@ -2,5 +2,6 @@
 
 `formats.py` reads what a recipe or a prompt line asks for (`ResponseFormat`); `grammar.py` compiles it
 with xgrammar and keeps, per request, the grammar's state over the committed tokens, which fills the
-token masks of a step's rows; `masks.py` applies them to the target's logits inside the step.
+token masks of a step's rows; `masks.py` applies them to the target's logits inside the step;
+`jump.py` proposes the tokens a grammar forces as host drafts (jump-forward) where no draft model runs.
 """

@@ -15,6 +15,8 @@ Contract:
     the grammar refuses and cannot replace stay all-allowed: the verify rejects that draft at its
     own row, so no later row decides a token. Rows past the grammar's end (a draft that completed
     it) likewise.
+  - `forced(k)`: at most k tokens the grammar forces next (jump-forward; structured/jump.py proposes
+    them as drafts where no draft model runs).
   - `advance(token)`: a committed token; False where the grammar refuses it (never for a token the
     masks allowed). `finished`: the grammar has ended (it accepted a stop token).
   - With reasoning markers and a prompt that opens a span, every row is unconstrained until the span
@@ -115,6 +117,13 @@ class SlotGrammar:
     @property
     def finished(self) -> bool:
         return not self.thinking and self.matcher.is_terminated()
+
+    def forced(self, k: int) -> list[int]:
+        """At most k tokens the grammar forces next (xgrammar's jump-forward tokens); none inside a
+        reasoning span or after the grammar's end."""
+        if self.thinking or self.matcher.is_terminated():
+            return []
+        return self.matcher.find_jump_forward_tokens()[:k]
 
     def advance(self, token: int) -> bool:
         if self.thinking:
