@@ -41,6 +41,7 @@ from specgen.checkpoints.store import CheckpointError, cache_root, read_config, 
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import (PromptRecord, PromptSourceError, ResultsFileError, ResultWriter, read_answer_ids,
                           read_prompts, stats_path, tokenize_with_generation_start, write_json_atomic)
+from specgen.drafts.forced import JUMP_FORWARD_K
 from specgen.drafts.suffix import SuffixProposer
 from specgen.machine import choose_threads, cpu_has_avx512, cpu_has_bf16
 from specgen.pipelines.compiled import freezes, use_compile_cache
@@ -59,7 +60,6 @@ from specgen.registry import DRAFT_METHODS, UnsupportedError, architecture_name,
 from specgen.sampling import SamplingTensors
 from specgen.structured.formats import ResponseFormat
 from specgen.structured.grammar import GrammarEngine
-from specgen.structured.jump import JUMP_FORWARD_K
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -411,7 +411,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                          "the rest is verified strictly")
     use_kernel, num_sms = attention_kernel_for(r.device)
     # plain decoding under a format verifies the tokens the grammar forces as host drafts
-    # (jump-forward, structured/jump.py); the runner proposes them
+    # (jump-forward, drafts/forced.py); the runner proposes them
     jump_only = grammar is not None and recipe.draft.jump_forward and not recipe.draft.enabled
     host_k = recipe.draft.k_max if proposer is not None else JUMP_FORWARD_K if jump_only else 0
     step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,

@@ -207,7 +207,7 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
                 constrained.append((f"{name} +{fmt.kind}", recipe, checkpoints))
                 continue
             # under the format, ar is plain decoding (every token a step) and "ar jump-forward"
-            # verifies the grammar's forced tokens as drafts (structured/jump.py); drafts are
+            # verifies the grammar's forced tokens as drafts (drafts/forced.py); drafts are
             # compared with ar
             constrained.append((f"{name} +{fmt.kind}", _jumping(recipe, False), checkpoints))
             if recipe.draft.jump_forward:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specgen.drafts.forced import ForcedProposer
 from specgen.kernels.keyed_noise import noise_key_for
 from specgen.pipelines.compiled import StepFunctions
 from specgen.pipelines.host_policy import HostDraftPolicy
@@ -45,7 +46,6 @@ from specgen.pipelines.unified import UnifiedStep
 from specgen.sampling import SamplingTensors
 from specgen.structured.formats import ResponseFormat
 from specgen.structured.grammar import GrammarEngine, GrammarError, SlotGrammar
-from specgen.structured.jump import ForcedProposer
 
 MIN_KV_BUCKET = 256
 CPU_KV_GRANULE = 64
@@ -185,7 +185,7 @@ class Runner:
         self._grammars: dict[int, SlotGrammar] = {}      # the structured slots' states, by slot
         if grammar is not None and jump_forward and (step.host_drafts or (step.draft is None and step.k > 0)):
             # where the host drafts (no draft model, suffix drafting, a hybrid), the grammar's forced
-            # tokens are proposals too (structured/jump.py)
+            # tokens are proposals too (drafts/forced.py)
             proposer = ForcedProposer(self._grammars, proposer)
         # the step's relaxed acceptance and the slots' start states must read the same markers
         relaxed = step.relaxed.markers if step.relaxed is not None else None

@@ -15,7 +15,7 @@ Contract:
     the grammar refuses and cannot replace stay all-allowed: the verify rejects that draft at its
     own row, so no later row decides a token. Rows past the grammar's end (a draft that completed
     it) likewise.
-  - `forced(k)`: at most k tokens the grammar forces next (jump-forward; structured/jump.py proposes
+  - `forced(k)`: at most k tokens the grammar forces next (jump-forward; drafts/forced.py proposes
     them as drafts where no draft model runs).
   - `advance(token)`: a committed token; False where the grammar refuses it (never for a token the
     masks allowed). `finished`: the grammar has ended (it accepted a stop token).

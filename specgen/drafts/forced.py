@@ -1,4 +1,5 @@
-"""Jump-forward proposals: the tokens a response format forces next, verified as host drafts.
+"""Jump-forward proposals: the tokens a response format forces next (specgen/structured), verified as
+host drafts.
 
 Where the grammar leaves one way on (a JSON key with its quotes and colon, a fixed literal), plain
 decoding would still spend one target step per token. Proposed as drafts, those tokens are verified
@@ -8,7 +9,8 @@ only a rejected draft.
 
 Contract: `ForcedProposer(grammars, inner=None)` is a host proposer (the interface of
 `drafts.suffix.SuffixProposer`: reset / new_job / admit / extend / finish / move / propose). `grammars`
-is the runner's live dict slot -> `SlotGrammar` (each over its request's committed tokens).
+is the runner's live dict slot -> grammar state (`structured.grammar.SlotGrammar`, over the request's
+committed tokens; only its `forced(k)` is used).
 `propose(slot, k)` returns the grammar's forced tokens (at most k), or `inner`'s proposal where
 that is expected to yield more (suffix drafting beside it); nothing for a slot without a grammar
 or inside a reasoning span. The other calls go to `inner`.
