@@ -411,8 +411,11 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                          "the rest is verified strictly")
     use_kernel, num_sms = attention_kernel_for(r.device)
     # plain decoding under a format verifies the tokens the grammar forces as host drafts
-    # (jump-forward, drafts/forced.py); the runner proposes them
-    jump_only = grammar is not None and recipe.draft.jump_forward and not recipe.draft.enabled
+    # (jump-forward, drafts/forced.py; the runner proposes them). Eager steps only: compiled, the
+    # host policy's payback rule kept a 16-prompt job from compiling the verify of K + 1 rows, and
+    # the drafted step's machinery made its plain steps 7-8% slower (bench, SmolLM2, AMD EPYC Zen 3,
+    # batch 1 and 8); eager, it ran 1.20x plain decoding (batch 1)
+    jump_only = grammar is not None and recipe.draft.jump_forward and not recipe.draft.enabled and not compile
     host_k = recipe.draft.k_max if proposer is not None else JUMP_FORWARD_K if jump_only else 0
     step = UnifiedStep(target, draft, stochastic_drafts=recipe.draft.stochastic, use_kernel=use_kernel,
                        num_sms=num_sms, relaxed=relaxed, host_k=host_k,

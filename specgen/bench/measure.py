@@ -210,7 +210,7 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
             # verifies the grammar's forced tokens as drafts (drafts/forced.py); drafts are
             # compared with ar
             constrained.append((f"{name} +{fmt.kind}", _jumping(recipe, False), checkpoints))
-            if recipe.draft.jump_forward:
+            if recipe.draft.jump_forward and recipe.runtime.compile is not True:    # eager only (job.py)
                 constrained.append((f"{name} jump-forward +{fmt.kind}", recipe, checkpoints))
         configs += constrained
     if "hf" in options.baselines:
