@@ -92,7 +92,8 @@ class DraftSpec:
     # starts from (opt-in: otherwise nothing crosses runs)
     suffix_history: str | None = None
     # structured output: a draft the grammar refuses gives way to the tokens the grammar forces from
-    # there (a JSON key, its quotes and colon); argmax drafts only. Exact either way (the verify decides).
+    # there (a JSON key, its quotes and colon; argmax drafts only), host drafts (suffix, and plain
+    # decoding's eager steps) include them. Exact either way (the verify decides).
     jump_forward: bool = True
 
     @property

@@ -2,5 +2,7 @@
 
 `formats.py` reads what a recipe or a prompt line asks for (`ResponseFormat`); `grammar.py` compiles it
 with xgrammar and keeps, per request, the grammar's state over the committed tokens, which fills the
-token masks of a step's rows; `masks.py` applies them to the target's logits inside the step. The tokens a grammar forces are proposed as host drafts by `drafts/forced.py` (jump-forward).
+token masks of a step's rows (with the tokens it forces in place of drafts it refuses); `masks.py`
+applies them to the target's logits inside the step. `drafts/forced.py` proposes the tokens a grammar
+forces as host drafts (jump-forward).
 """
