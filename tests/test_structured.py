@@ -265,17 +265,11 @@ def test_forced_drafts_keep_the_output_and_are_accepted(models):
     spec_recipe = make_recipe(target, draft, k=3, batch=2, ignore_eos=False)
     accepted = {}
     for jump in (True, False):
-        runner = structured_runner(spec_recipe, runner_draft(spec_recipe), jump_forward=jump)
+        runner = structured_runner(spec_recipe, jump_forward=jump)
         assert generate(runner, ids, fmt) == plain
         accepted[jump] = runner.totals.spec.num_accepted_tokens
         assert (runner.totals.grammar_drafts > 0) == jump
     assert accepted[True] > 2 * accepted[False] + 20, accepted
-
-
-def runner_draft(recipe):
-    """The recipe's draft model (a runner built from it holds it)."""
-    runner = structured_runner(recipe)
-    return runner.unified.draft
 
 
 def test_bitmask_unpacking_matches_the_engine():
