@@ -167,6 +167,7 @@ class TrainSpec:
     """`specgen train-draft`: how to train the recipe's draft (written to `draft.model`)."""
 
     prompts: int = 2000               # train-split ShareGPT prompts the target answers (self-distillation)
+    init_from: str | None = None      # a trained draft folder of the same method to start from (None = random)
     answer_tokens: int = 256          # max tokens of each answer
     max_prompt_chars: int = 1500      # longer first turns are skipped
     generation_batch_size: int = 96
@@ -650,6 +651,7 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
     d = TrainSpec()
     spec = TrainSpec(
         prompts=check.get(t, "train.prompts", positive, d.prompts),
+        init_from=check.get(t, "train.init_from", _optional(_string), d.init_from),
         answer_tokens=check.get(t, "train.answer_tokens", positive, d.answer_tokens),
         max_prompt_chars=check.get(t, "train.max_prompt_chars", _integer(16), d.max_prompt_chars),
         generation_batch_size=check.get(t, "train.generation_batch_size", positive, d.generation_batch_size),

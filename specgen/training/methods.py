@@ -5,8 +5,10 @@ Contract: `TRAINERS[method]` is a `MethodTrainer` with
   in the target's shape (`extra` holds tensors the config implies: the draft vocabulary's map;
   `token_counts` [V]: answer-token frequencies; `unused_ids`: rows no training sequence contains,
   best mask token first, `mask_candidates`);
-- `build(config, extra, target, k) -> draft`: random weights (fp32, trainable), via the same
-  builders `specgen run` loads with (drafts/*.py), so training and inference share one module;
+- `build(config, extra, target, k, state=None) -> draft`: fp32 trainable weights, random or (a
+  warm start) `state`, a trained draft's tensors in its checkpoint layout, vocabulary map included;
+  via the same builders `specgen run` loads with (drafts/*.py), so training and inference share one
+  module;
 - `loss(draft, aux, tokens, scored, spec, generator) -> (loss, correct [P], count [P])`: the
   method's objective and its per-position top-1 agreement (P = unrolled steps or block positions);
 - `export(draft, config, extra) -> tensors`: the state in the published layout its loader reads
@@ -55,10 +57,12 @@ class MethodTrainer:
     export: Callable[..., dict[str, torch.Tensor]]
 
 
-def _random(builder, config: dict, target, k: int):
-    # fp32 weights (the optimizer's copy), on the target's device
-    return builder(config, None, target, num_speculative_tokens=k, dtype=torch.float32,
-                   device=target.input_embedding.device, seed=0, where="new draft")
+def _built(builder, config: dict, state: dict | None, target, k: int):
+    # fp32 weights (the optimizer's copy), on the target's device: random, or a trained draft's
+    draft = builder(config, state, target, num_speculative_tokens=k, dtype=torch.float32,
+                    device=target.input_embedding.device, seed=0,
+                    where="new draft" if state is None else "train.init_from")
+    return draft.train().requires_grad_(True)
 
 
 def draft_vocabulary(shape: TargetShape, spec, token_counts: torch.Tensor) -> tuple[dict, dict]:
@@ -110,8 +114,8 @@ def _eagle3_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_
     return config, extra
 
 
-def _eagle3_build(config: dict, extra: dict, target, k: int):
-    draft = _random(eagle3.build_eagle3_draft, config, target, k)
+def _eagle3_build(config: dict, extra: dict, target, k: int, state: dict | None = None):
+    draft = _built(eagle3.build_eagle3_draft, config, state, target, k)
     if "draft_to_target" in extra:      # EAGLE-3's own head is already Vd rows: only the map changes
         draft.draft_to_target = extra["draft_to_target"].to(target.input_embedding.device)
     return draft
@@ -168,8 +172,8 @@ def _dflash_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_
     return config, extra
 
 
-def _dflash_build(config: dict, extra: dict, target, k: int):
-    return _with_vocabulary(_random(dflash.build_dflash_draft, config, target, k), extra)
+def _dflash_build(config: dict, extra: dict, target, k: int, state: dict | None = None):
+    return _with_vocabulary(_built(dflash.build_dflash_draft, config, state, target, k), extra)
 
 
 def _dflash_loss(draft, aux, tokens, scored, spec, generator):
@@ -194,8 +198,8 @@ def _mtp_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_ids
     return {**mtp.dummy_mtp_config(shape), **vocab}, extra
 
 
-def _mtp_build(config: dict, extra: dict, target, k: int):
-    return _with_vocabulary(_random(mtp.build_mtp_draft, config, target, k), extra)
+def _mtp_build(config: dict, extra: dict, target, k: int, state: dict | None = None):
+    return _with_vocabulary(_built(mtp.build_mtp_draft, config, state, target, k), extra)
 
 
 def _mtp_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:

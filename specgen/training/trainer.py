@@ -6,6 +6,9 @@ Contract: `train_draft(recipe)` runs the whole job and writes `draft.model` (a f
    engine, cached and shared by every draft method (training/distill.py);
 2. training: AdamW, linear warm-up then cosine decay, gradient clipping, target features captured on
    the fly (training/features.py), the method's objective (training/methods.py);
+   The draft starts from random weights, or from a trained draft of the same method
+   (`train.init_from`: its weights, vocabulary and shape; the card counts what both runs saw), so
+   training can go on over several sittings with new data;
 3. checkpoints under `$SPECGEN_CACHE/train/<key>/` every `checkpoint_every` steps and on Ctrl-C: the
    same command resumes where it stopped (the key covers the recipe's train section, the method, the
    target and the output folder; `restart=True` starts over);
@@ -29,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from specgen.checkpoints.loading import load_target
-from specgen.checkpoints.store import cache_root
+from specgen.checkpoints.loading import load_target, read_draft_tensors
+from specgen.checkpoints.store import CheckpointError, cache_root
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.machine import choose_threads, cpu_has_bf16
 from specgen.recipe import Recipe
@@ -132,12 +135,85 @@ def _check_eval_sets(spec) -> None:
                              f"{spec.eval_prompts} lines")
 
 
+# The train fields that shape a draft: a warm start keeps its draft's, so the recipe must agree.
+# Each reads the field's value off a draft's config.json (None: the config does not say).
+def _draft_vocab(config: dict):
+    return config.get("draft_vocab_size", config.get("vocab_size"))   # none given: the full vocabulary
+
+
+def _dflash_field(key: str):
+    return lambda config: (config.get("dflash_config") or {}).get(key)
+
+
+_SHAPE_FIELDS = {
+    "eagle3": {"draft_vocab_size": _draft_vocab},
+    "mtp": {"draft_vocab_size": _draft_vocab},
+    "dflash": {"draft_vocab_size": _draft_vocab,
+               "block_size": lambda c: c.get("block_size") or _dflash_field("block_size")(c),  # either place
+               "layers": lambda c: c.get("num_hidden_layers"),
+               "mask_token_id": _dflash_field("mask_token_id"),
+               "feature_layers": lambda c: len(_dflash_field("target_layer_ids")(c) or []) or None},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class WarmStart:
+    folder: Path
+    config: dict          # the trained draft's config.json (its shape and vocabulary win)
+    lineage: dict         # what its own card says it was trained on, carried into the new card
+
+
+def _warm_start(method: str, spec, folder: Path) -> WarmStart:
+    """`train.init_from`, checked before any data is made: a draft of this method, in the shape the
+    recipe's train fields give (a warm start keeps its draft's shape and vocabulary)."""
+    from specgen.inspection.identify import draft_method_of
+
+    where = f"recipe.train.init_from: {folder}"
+    if not (folder / "config.json").is_file():
+        raise TrainError(f"{where}: no config.json (not a draft checkpoint folder)")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise TrainError(f"{where}/config.json: not readable JSON ({err})") from err
+    config.pop("torch_dtype", None)         # written again at export, in train.export_dtype
+    found = draft_method_of(config) or "mtp"
+    if found != method:
+        raise TrainError(f"{where}: holds an {found} draft, but draft.method is {method}")
+    vocab = int(config.get("vocab_size", 0)) or None
+    for field_name, read in _SHAPE_FIELDS[method].items():
+        ours, theirs = getattr(spec, field_name), read(config)
+        if field_name == "draft_vocab_size" and vocab:     # new drafts take min(field, vocabulary) too
+            ours = min(ours, vocab)
+        # None: the recipe leaves it to the default choice (mask token, feature layers), which the
+        # trained draft has already made
+        if ours is not None and theirs is not None and int(theirs) != ours:
+            raise TrainError(f"recipe.train.{field_name}: {ours}, but the draft in train.init_from has "
+                             f"{theirs} (a warm start keeps its draft's shape)")
+    if not any(folder.glob("*.safetensors")):
+        raise TrainError(f"{where}: no .safetensors weights")
+    card = {}
+    if (folder / "training.json").is_file():
+        try:
+            card = json.loads((folder / "training.json").read_text())
+        except ValueError:
+            card = {}
+    before = card.get("init_from") or {}
+    lineage = {"folder": folder.as_posix(), "command": card.get("command"), "steps": card.get("steps"),
+               "tokens_seen": card.get("tokens_seen"), "train_answers": card.get("train_answers"),
+               # every run in the chain, so the card can say what the draft has seen in all
+               "tokens_seen_total": (card.get("tokens_seen") or 0) + (before.get("tokens_seen_total") or 0),
+               "runs": 1 + (before.get("runs") or 0)}
+    return WarmStart(folder, config, lineage)
+
+
 def _draft_k(method: str, spec) -> int:
     return spec.block_size - 1 if method == "dflash" else spec.ttt_steps
 
 
 def _state_folder(recipe: Recipe, target_key: str) -> Path:
     train = {k: v for k, v in asdict(recipe.train).items() if not k.startswith("eval")}
+    if train["init_from"] is None:     # only when set: runs started before the field keep their key
+        del train["init_from"]
     parts = [str(Path(recipe.draft.model).resolve()), recipe.draft.model_method, target_key, train, recipe.chat_template]
     if recipe.chat_template_kwargs:    # only when set: runs started without them keep their key
         parts.append(recipe.chat_template_kwargs)
@@ -172,6 +248,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     _check_target_fit(spec, load_target(r.target_config, r.target_folder, dtype=dtype, device="meta",
                                         dummy=True).shape)
     _check_eval_sets(spec)
+    start = _warm_start(method, spec, Path(spec.init_from)) if spec.init_from is not None else None
 
     # 1. data: the target's own answers (cached; shared by every draft method)
     started = time.perf_counter()
@@ -225,12 +302,21 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
                                    tokenizer, recipe.chat_template, spec.answer_tokens, spec.max_seq_len,
                                    recipe.chat_template_kwargs)
 
-    # 3. a fresh draft, or the checkpoint of an interrupted run
+    # 3. a fresh draft (or a trained one to start from), or the checkpoint of an interrupted run
     trainer = TRAINERS[method]
     k = _draft_k(method, spec)
-    unused = mask_candidates(tokenizer, target.vocab_size, [ids for ids, _ in train + heldout])
-    config, extra = trainer.new_config(target.shape, spec, counts, unused)
-    draft = trainer.build(config, extra, target, k)
+    if start is not None:
+        config, extra, lineage = start.config, {}, start.lineage
+        try:
+            initial = read_draft_tensors(method, config, start.folder, dtype=torch.float32, device=r.device)
+            draft = trainer.build(config, extra, target, k, initial)
+        except CheckpointError as err:
+            raise TrainError(f"recipe.train.init_from: {err}") from err
+        del initial
+    else:
+        unused = mask_candidates(tokenizer, target.vocab_size, [ids for ids, _ in train + heldout])
+        (config, extra), lineage = trainer.new_config(target.shape, spec, counts, unused), None
+        draft = trainer.build(config, extra, target, k)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=spec.learning_rate, betas=(0.9, 0.95),
                                   weight_decay=spec.weight_decay)
     order = batch_order([len(ids) for ids, _ in train], spec.batch_size, spec.epochs, spec.seed)
@@ -243,6 +329,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         optimizer.load_state_dict(saved["optimizer"])
         step, tokens_seen, train_seconds = saved["step"], saved["tokens_seen"], saved["train_seconds"]
         history, agreement = saved["history"], saved["agreement"]
+        lineage = saved.get("lineage", lineage)   # as it was at the start (init_from may be the output)
         status(f"resuming from step {step} of {len(order)} ({checkpoint})")
     resumed_from = step
 
@@ -251,7 +338,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         tmp = checkpoint.with_suffix(".tmp")
         torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
                     "tokens_seen": tokens_seen, "train_seconds": train_seconds, "history": history,
-                    "agreement": agreement}, tmp)
+                    "agreement": agreement, "lineage": lineage}, tmp)
         os.replace(tmp, checkpoint)
 
     # Half-precision target features; the draft's fp32 weights run under autocast to the same dtype.
@@ -347,7 +434,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
                      "heldout_answers": len(heldout),
                      "data_seconds": data_seconds, "feature_seconds": feature_seconds,
                      "dtype": dtype_name, "data_dtype": data_dtype,
-                     "threads": threads,
+                     "threads": threads, "init_from": lineage,
                      "run_dtype": str(r.dtype).removeprefix("torch."),
                      "machine": _machine(r.device, threads)})
     return summary
