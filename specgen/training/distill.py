@@ -1,7 +1,8 @@
 """Self-distillation data: the target's own greedy answers to ShareGPT prompts, generated once.
 
 Contract: `distilled_responses(spec)` makes sure the target has answered the first `num_prompts`
-prompts of a ShareGPT split (`data.sharegpt_split`: "train" to learn from, "heldout" to measure
+prompts of a ShareGPT split after its first `skip` (a later sitting's new prompts)
+(`data.sharegpt_split`: "train" to learn from, "heldout" to measure
 top-1 agreement while training) and returns the results file.
 The answers come from specgen's own batched engine (`job.run_job`, plain greedy decoding), so a
 draft learns the distribution it will be verified against: acceptance is measured against the
@@ -43,6 +44,7 @@ class DistillSpec:
     dtype: str = "auto"
     device: str = "auto"
     chat_template_kwargs: dict = field(default_factory=dict)   # e.g. {thinking: false}
+    skip: int = 0                # prompts of the split passed over first (not in the key: one cache)
 
 
 def target_fingerprint(folder: Path) -> str:
@@ -65,13 +67,18 @@ def distill_folder(spec: DistillSpec) -> Path:
     return cache_root() / "distill" / hashlib.blake2b(settings, digest_size=8).hexdigest()
 
 
-def split_prompts(split: str, num_prompts: int, max_prompt_chars: int) -> list[PromptRecord]:
-    """The first `num_prompts` prompts of a split whose text is at most `max_prompt_chars`."""
+def split_prompts(split: str, num_prompts: int, max_prompt_chars: int, skip: int = 0) -> list[PromptRecord]:
+    """The first `num_prompts` prompts of a split whose text is at most `max_prompt_chars`, after the
+    first `skip` such prompts."""
     out: list[PromptRecord] = []
     if num_prompts <= 0:
         return out
+    passed = 0
     for record in read_prompts(f"sharegpt-{split}"):
         if record.error is None and len(record.messages[0]["content"]) <= max_prompt_chars:
+            if passed < skip:
+                passed += 1
+                continue
             out.append(record)
             if len(out) == num_prompts:
                 break
@@ -88,7 +95,7 @@ def distilled_responses(spec: DistillSpec, *, on_start: Callable | None = None,
     folder = distill_folder(spec)
     folder.mkdir(parents=True, exist_ok=True)
     prompts = folder / "prompts.jsonl"
-    records = split_prompts(spec.split, spec.num_prompts, spec.max_prompt_chars)
+    records = split_prompts(spec.split, spec.num_prompts, spec.max_prompt_chars, spec.skip)
     prompts.write_text("".join(json.dumps({"id": r.id, "messages": r.messages}) + "\n" for r in records))
     results = folder / "responses.jsonl"
     recipe = recipe_from_dict({
@@ -128,14 +135,14 @@ def training_sequences(results: Path, prompts: Path, tokenizer, chat_template: b
 
 
 def dataset_sequences(split: str, count: int, max_prompt_chars: int, tokenizer, chat_template: bool,
-                      answer_tokens: int, max_len: int,
-                      template_kwargs: dict | None = None) -> list[tuple[list[int], int]]:
+                      answer_tokens: int, max_len: int, template_kwargs: dict | None = None,
+                      skip: int = 0) -> list[tuple[list[int], int]]:
     """(token ids, prompt length) for the dataset's own replies to the first `count` prompts of a
     split (those `split_prompts` gives; the few without a reply give none), answers cut at `answer_tokens`
     (EOS only when the reply ends within them, as a generated answer), sequences at `max_len`."""
     eos = getattr(tokenizer, "eos_token_id", None)
     out = []
-    for record in split_prompts(split, count, max_prompt_chars):
+    for record in split_prompts(split, count, max_prompt_chars, skip):
         if record.reply is None:
             continue
         ids = tokenize_prompt(record, tokenizer, chat_template, template_kwargs)

@@ -210,10 +210,14 @@ def _draft_k(method: str, spec) -> int:
     return spec.block_size - 1 if method == "dflash" else spec.ttt_steps
 
 
+_LATER_FIELDS = {"init_from": None, "skip_prompts": 0}    # train fields added after runs were keyed
+
+
 def _state_folder(recipe: Recipe, target_key: str) -> Path:
     train = {k: v for k, v in asdict(recipe.train).items() if not k.startswith("eval")}
-    if train["init_from"] is None:     # only when set: runs started before the field keep their key
-        del train["init_from"]
+    for name, default in _LATER_FIELDS.items():    # only when set: runs started before them keep their key
+        if train[name] == default:
+            del train[name]
     parts = [str(Path(recipe.draft.model).resolve()), recipe.draft.model_method, target_key, train, recipe.chat_template]
     if recipe.chat_template_kwargs:    # only when set: runs started without them keep their key
         parts.append(recipe.chat_template_kwargs)
@@ -253,13 +257,14 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     # 1. data: the target's own answers (cached; shared by every draft method)
     started = time.perf_counter()
 
-    def distill(split: str, count: int) -> tuple[Path, Path]:
-        d = DistillSpec(target=recipe.target.model, num_prompts=count, split=split,
+    def distill(split: str, count: int, skip: int = 0) -> tuple[Path, Path]:
+        d = DistillSpec(target=recipe.target.model, num_prompts=count, split=split, skip=skip,
                         max_new_tokens=spec.answer_tokens, max_prompt_chars=spec.max_prompt_chars,
                         batch_size=spec.generation_batch_size, chat_template=recipe.chat_template,
                         dtype=data_dtype, device=recipe.runtime.device,
                         chat_template_kwargs=recipe.chat_template_kwargs)
-        status(f"self-distillation data: the target's answers to {count} {split} prompts "
+        after = f" after the first {skip}" if skip else ""
+        status(f"self-distillation data: the target's answers to {count} {split} prompts{after} "
                f"(kept in {distill_folder(d)})")
         total = [0]
 
@@ -278,7 +283,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
             raise TrainError(f"generating the training data: {err}") from err
         return results, results.with_name("prompts.jsonl")
 
-    train_files = distill("train", spec.prompts)
+    train_files = distill("train", spec.prompts, spec.skip_prompts)
     heldout_files = distill("heldout", spec.heldout_prompts)
     data_seconds = time.perf_counter() - started
 
@@ -300,7 +305,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     if round(spec.dataset_answers * distilled) > 0:
         train += dataset_sequences("train", round(spec.dataset_answers * distilled), spec.max_prompt_chars,
                                    tokenizer, recipe.chat_template, spec.answer_tokens, spec.max_seq_len,
-                                   recipe.chat_template_kwargs)
+                                   recipe.chat_template_kwargs, spec.skip_prompts)
 
     # 3. a fresh draft (or a trained one to start from), or the checkpoint of an interrupted run
     trainer = TRAINERS[method]
