@@ -35,6 +35,7 @@ import torch
 from specgen.checkpoints.loading import load_target, read_draft_tensors
 from specgen.checkpoints.store import CheckpointError, cache_root
 from specgen.checkpoints.tokenizer import load_tokenizer
+from specgen.drafts.dflash import dflash_value
 from specgen.machine import choose_threads, cpu_has_bf16
 from specgen.recipe import Recipe
 from specgen.training.distill import (DistillSpec, answer_token_counts, dataset_sequences, distill_folder,
@@ -141,18 +142,14 @@ def _draft_vocab(config: dict):
     return config.get("draft_vocab_size", config.get("vocab_size"))   # none given: the full vocabulary
 
 
-def _dflash_field(key: str):
-    return lambda config: (config.get("dflash_config") or {}).get(key)
-
-
 _SHAPE_FIELDS = {
     "eagle3": {"draft_vocab_size": _draft_vocab},
     "mtp": {"draft_vocab_size": _draft_vocab},
     "dflash": {"draft_vocab_size": _draft_vocab,
-               "block_size": lambda c: c.get("block_size") or _dflash_field("block_size")(c),  # either place
+               "block_size": lambda c: dflash_value(c, "block_size"),      # as the DFlash loader reads it
                "layers": lambda c: c.get("num_hidden_layers"),
-               "mask_token_id": _dflash_field("mask_token_id"),
-               "feature_layers": lambda c: len(_dflash_field("target_layer_ids")(c) or []) or None},
+               "mask_token_id": lambda c: dflash_value(c, "mask_token_id"),
+               "feature_layers": lambda c: len(dflash_value(c, "target_layer_ids", ())) or None},
 }
 
 
@@ -191,19 +188,21 @@ def _warm_start(method: str, spec, folder: Path) -> WarmStart:
                              f"{theirs} (a warm start keeps its draft's shape)")
     if not any(folder.glob("*.safetensors")):
         raise TrainError(f"{where}: no .safetensors weights")
-    card = {}
-    if (folder / "training.json").is_file():
-        try:
-            card = json.loads((folder / "training.json").read_text())
-        except ValueError:
-            card = {}
+    return WarmStart(folder, config, _lineage(folder))
+
+
+def _lineage(folder: Path) -> dict:
+    """What a trained draft's `training.json` says its run saw, with the totals of every run in its
+    chain (nothing known where it has no card)."""
+    try:
+        card = json.loads((folder / "training.json").read_text())
+    except (OSError, ValueError):
+        card = {}
     before = card.get("init_from") or {}
-    lineage = {"folder": folder.as_posix(), "command": card.get("command"), "steps": card.get("steps"),
-               "tokens_seen": card.get("tokens_seen"), "train_answers": card.get("train_answers"),
-               # every run in the chain, so the card can say what the draft has seen in all
-               "tokens_seen_total": (card.get("tokens_seen") or 0) + (before.get("tokens_seen_total") or 0),
-               "runs": 1 + (before.get("runs") or 0)}
-    return WarmStart(folder, config, lineage)
+    return {"folder": folder.as_posix(), "command": card.get("command"), "steps": card.get("steps"),
+            "tokens_seen": card.get("tokens_seen"), "train_answers": card.get("train_answers"),
+            "tokens_seen_total": (card.get("tokens_seen") or 0) + (before.get("tokens_seen_total") or 0),
+            "runs": 1 + (before.get("runs") or 0)}
 
 
 def _draft_k(method: str, spec) -> int:
