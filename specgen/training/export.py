@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from specgen.training.methods import TRAINERS
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -137,8 +139,10 @@ head, which may then draft a token outside the {reduced}).
     if start:
         total = summary.tokens_seen + (start.get("tokens_seen_total") or 0)
         tokens_line += f" in this run; {total:,} in all, with the runs it started from"
-        start_line = (f"\n- Started from the trained draft in `{start['folder']}` (`train.init_from`: its weights "
-                      f"and vocabulary), whose run took {start.get('steps')} steps over "
+        kept = ("its weights; the vocabulary chosen again from this run's answers"
+                if TRAINERS[method].head_rows_chosen else "its weights and vocabulary")
+        start_line = (f"\n- Started from the trained draft in `{start['folder']}` (`train.init_from`: {kept}), "
+                      f"whose run took {start.get('steps')} steps over "
                       f"{start.get('train_answers')} answers (`{start.get('command')}`); "
                       f"{start.get('runs')} earlier run{'s' * (start.get('runs') != 1)} in all.")
     card = f"""# {folder.name}

@@ -13,7 +13,10 @@ Contract: `TRAINERS[method]` is a `MethodTrainer` with
   method's objective and its per-position top-1 agreement (P = unrolled steps or block positions);
 - `export(draft, config, extra) -> tensors`: the state in the published layout its loader reads
   (EAGLE-3: `midlayer.*`; DFlash: z-lab's keys; MTP: `model.layers.{N}.*`; each with `d2t`/`t2d`
-  when its vocabulary is reduced).
+  when its vocabulary is reduced);
+- `head_rows_chosen`: True where the reduced head is rows of a full head that is not trained
+  (DFlash, MTP): a warm start may choose its vocabulary again from its own run's answers, losing
+  no trained weight; EAGLE-3's head holds only its trained rows, so a warm start keeps them.
 
 Every method drafts from a reduced vocabulary of the `draft_vocab_size` most frequent answer tokens
 (drafts/vocab.py: `d2t[i] = target_id - i`, `t2d[target_id]` = in the draft vocabulary), which
@@ -55,6 +58,7 @@ class MethodTrainer:
     build: Callable[..., torch.nn.Module]
     loss: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     export: Callable[..., dict[str, torch.Tensor]]
+    head_rows_chosen: bool
 
 
 def _built(builder, config: dict, state: dict | None, target, k: int):
@@ -72,6 +76,19 @@ def draft_vocabulary(shape: TargetShape, spec, token_counts: torch.Tensor) -> tu
     if size == shape.vocab_size:
         return {}, {}
     return {"draft_vocab_size": size}, {"draft_to_target": most_frequent(token_counts, size)}
+
+
+def rechosen_vocabulary(config: dict, state: dict, shape: TargetShape, spec,
+                        token_counts: torch.Tensor) -> tuple[dict, dict]:
+    """A warm start's config and tensors (in place) with the vocabulary chosen again from this run's
+    answer-token frequencies, for a method whose head rows are gathered from a full head."""
+    vocab, extra = draft_vocabulary(shape, spec, token_counts)
+    config = {k: v for k, v in config.items() if k != "draft_vocab_size"} | vocab
+    state.pop("d2t", None)
+    state.pop("t2d", None)
+    if extra:
+        state.update(d2t_tensors(extra["draft_to_target"], shape.vocab_size))
+    return config, extra
 
 
 def _with_vocabulary(draft, extra: dict):
@@ -212,7 +229,7 @@ def _mtp_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:
 
 
 TRAINERS: dict[str, MethodTrainer] = {
-    "eagle3": MethodTrainer(_eagle3_config, _eagle3_build, _chain_loss, _eagle3_export),
-    "dflash": MethodTrainer(_dflash_config, _dflash_build, _dflash_loss, _dflash_export),
-    "mtp": MethodTrainer(_mtp_config, _mtp_build, _chain_loss, _mtp_export),
+    "eagle3": MethodTrainer(_eagle3_config, _eagle3_build, _chain_loss, _eagle3_export, head_rows_chosen=False),
+    "dflash": MethodTrainer(_dflash_config, _dflash_build, _dflash_loss, _dflash_export, head_rows_chosen=True),
+    "mtp": MethodTrainer(_mtp_config, _mtp_build, _chain_loss, _mtp_export, head_rows_chosen=True),
 }

@@ -7,8 +7,9 @@ Contract: `train_draft(recipe)` runs the whole job and writes `draft.model` (a f
 2. training: AdamW, linear warm-up then cosine decay, gradient clipping, target features captured on
    the fly (training/features.py), the method's objective (training/methods.py);
    The draft starts from random weights, or from a trained draft of the same method
-   (`train.init_from`: its weights, vocabulary and shape; the card counts what both runs saw), so
-   training can go on over several sittings with new data;
+   (`train.init_from`: its weights and shape; its vocabulary too where the head holds only those
+   rows, EAGLE-3's, while DFlash and MTP choose theirs again from this run's answers; the card counts
+   what both runs saw), so training can go on over several sittings with new data;
 3. checkpoints under `$SPECGEN_CACHE/train/<key>/` every `checkpoint_every` steps and on Ctrl-C: the
    same command resumes where it stopped (the key covers the recipe's train section, the method, the
    target and the output folder; `restart=True` starts over);
@@ -44,7 +45,7 @@ from specgen.training.evaluate import KResult, heldout_agreement, measure_accept
 from specgen.training.export import write_card, write_checkpoint
 from specgen.training.feature_cache import FeatureStore
 from specgen.training.features import padded_batch, target_features
-from specgen.training.methods import TRAINERS, mask_candidates
+from specgen.training.methods import TRAINERS, mask_candidates, rechosen_vocabulary
 
 
 class TrainError(Exception):
@@ -136,7 +137,8 @@ def _check_eval_sets(spec) -> None:
                              f"{spec.eval_prompts} lines")
 
 
-# The train fields that shape a draft: a warm start keeps its draft's, so the recipe must agree.
+# The train fields that shape a draft: a warm start keeps its draft's, so the recipe must agree (the
+# vocabulary's size only where the method keeps the vocabulary: MethodTrainer.head_rows_chosen).
 # Each reads the field's value off a draft's config.json (None: the config does not say).
 def _draft_vocab(config: dict):
     return config.get("draft_vocab_size", config.get("vocab_size"))   # none given: the full vocabulary
@@ -178,6 +180,8 @@ def _warm_start(method: str, spec, folder: Path) -> WarmStart:
         raise TrainError(f"{where}: holds an {found} draft, but draft.method is {method}")
     vocab = int(config.get("vocab_size", 0)) or None
     for field_name, read in _SHAPE_FIELDS[method].items():
+        if field_name == "draft_vocab_size" and TRAINERS[method].head_rows_chosen:
+            continue                # chosen again from this run's answers (methods.rechosen_vocabulary)
         ours, theirs = getattr(spec, field_name), read(config)
         if field_name == "draft_vocab_size" and vocab:     # new drafts take min(field, vocabulary) too
             ours = min(ours, vocab)
@@ -313,6 +317,8 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         config, extra, lineage = start.config, {}, start.lineage
         try:
             initial = read_draft_tensors(method, config, start.folder, dtype=torch.float32, device=r.device)
+            if trainer.head_rows_chosen:
+                config, extra = rechosen_vocabulary(config, initial, target.shape, spec, counts)
             draft = trainer.build(config, extra, target, k, initial)
         except CheckpointError as err:
             raise TrainError(f"recipe.train.init_from: {err}") from err
