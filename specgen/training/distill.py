@@ -3,13 +3,14 @@
 Contract: `distilled_responses(spec)` makes sure the target has answered the first `num_prompts`
 prompts of a ShareGPT split after its first `skip` (a later sitting's new prompts)
 (`data.sharegpt_split`: "train" to learn from, "heldout" to measure
-top-1 agreement while training) and returns the results file.
+top-1 agreement while training) and returns the results file. The prompts are the split's first
+human turns or (`turns="later"`) its later ones, each with the conversation before it as context.
 The answers come from specgen's own batched engine (`job.run_job`, plain greedy decoding), so a
 draft learns the distribution it will be verified against: acceptance is measured against the
 target's own outputs. The file lives under `$SPECGEN_CACHE/distill/<key>/`, where the key covers
 everything that changes an answer (the target's weights, dtype, answer length, prompt filter,
-chat template) but not the number of prompts: asking for more prompts later resumes the same file,
-and the three draft methods share one generation pass.
+chat template, first or later turns) but not the number of prompts: asking for more prompts later
+resumes the same file, and the three draft methods share one generation pass.
 
 `training_sequences(path, tokenizer, ...)` turns the results back into token sequences (prompt ids
 through the same chat template, then the answer ids, EOS included when the answer stopped);
@@ -38,13 +39,14 @@ class DistillSpec:
     num_prompts: int
     split: str                   # "train" or "heldout" (data.sharegpt_split)
     max_new_tokens: int          # answer length cap
-    max_prompt_chars: int        # longer first turns are skipped (long pastes teach little per step)
+    max_prompt_chars: int        # longer prompts are skipped (long pastes teach little per step)
     batch_size: int
     chat_template: bool = True
     dtype: str = "auto"
     device: str = "auto"
     chat_template_kwargs: dict = field(default_factory=dict)   # e.g. {thinking: false}
     skip: int = 0                # prompts of the split passed over first (not in the key: one cache)
+    turns: str = "first"         # "first" human turns, or "later" ones with the conversation so far
 
 
 def target_fingerprint(folder: Path) -> str:
@@ -63,19 +65,23 @@ def distill_folder(spec: DistillSpec) -> Path:
            spec.chat_template, spec.dtype]
     if spec.chat_template_kwargs:      # only when set: caches made without them keep their key
         key.append(spec.chat_template_kwargs)
+    if spec.turns != "first":          # likewise: first-turn caches keep theirs
+        key.append(spec.turns)
     settings = json.dumps(key, sort_keys=True).encode()
     return cache_root() / "distill" / hashlib.blake2b(settings, digest_size=8).hexdigest()
 
 
-def split_prompts(split: str, num_prompts: int, max_prompt_chars: int, skip: int = 0) -> list[PromptRecord]:
-    """The first `num_prompts` prompts of a split whose text is at most `max_prompt_chars`, after the
-    first `skip` such prompts."""
+def split_prompts(split: str, num_prompts: int, max_prompt_chars: int, skip: int = 0,
+                  turns: str = "first") -> list[PromptRecord]:
+    """The first `num_prompts` prompts of a split whose text (a later turn's: the whole conversation
+    so far) is at most `max_prompt_chars`, after the first `skip` such prompts."""
     out: list[PromptRecord] = []
     if num_prompts <= 0:
         return out
     passed = 0
-    for record in read_prompts(f"sharegpt-{split}"):
-        if record.error is None and len(record.messages[0]["content"]) <= max_prompt_chars:
+    source = f"sharegpt-{split}" if turns == "first" else f"sharegpt-{split}-later"
+    for record in read_prompts(source):
+        if record.error is None and sum(len(m["content"]) for m in record.messages) <= max_prompt_chars:
             if passed < skip:
                 passed += 1
                 continue
@@ -95,7 +101,7 @@ def distilled_responses(spec: DistillSpec, *, on_start: Callable | None = None,
     folder = distill_folder(spec)
     folder.mkdir(parents=True, exist_ok=True)
     prompts = folder / "prompts.jsonl"
-    records = split_prompts(spec.split, spec.num_prompts, spec.max_prompt_chars, spec.skip)
+    records = split_prompts(spec.split, spec.num_prompts, spec.max_prompt_chars, spec.skip, spec.turns)
     prompts.write_text("".join(json.dumps({"id": r.id, "messages": r.messages}) + "\n" for r in records))
     results = folder / "responses.jsonl"
     recipe = recipe_from_dict({

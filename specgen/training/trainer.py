@@ -260,14 +260,15 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     # 1. data: the target's own answers (cached; shared by every draft method)
     started = time.perf_counter()
 
-    def distill(split: str, count: int, skip: int = 0) -> tuple[Path, Path]:
-        d = DistillSpec(target=recipe.target.model, num_prompts=count, split=split, skip=skip,
+    def distill(split: str, count: int, skip: int = 0, turns: str = "first") -> tuple[Path, Path]:
+        d = DistillSpec(target=recipe.target.model, num_prompts=count, split=split, skip=skip, turns=turns,
                         max_new_tokens=spec.answer_tokens, max_prompt_chars=spec.max_prompt_chars,
                         batch_size=spec.generation_batch_size, chat_template=recipe.chat_template,
                         dtype=data_dtype, device=recipe.runtime.device,
                         chat_template_kwargs=recipe.chat_template_kwargs)
         after = f" after the first {skip}" if skip else ""
-        status(f"self-distillation data: the target's answers to {count} {split} prompts{after} "
+        which = f"{split} prompts" if turns == "first" else f"later {split} turns"
+        status(f"self-distillation data: the target's answers to {count} {which}{after} "
                f"(kept in {distill_folder(d)})")
         total = [0]
 
@@ -287,6 +288,7 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         return results, results.with_name("prompts.jsonl")
 
     train_files = distill("train", spec.prompts, spec.skip_prompts)
+    later_files = distill("train", spec.later_turns, spec.skip_later_turns, "later") if spec.later_turns else None
     heldout_files = distill("heldout", spec.heldout_prompts)
     data_seconds = time.perf_counter() - started
 
@@ -298,6 +300,10 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     tokenizer = load_tokenizer(r.target_folder, target.vocab_size)
     train = training_sequences(*train_files, tokenizer, recipe.chat_template, spec.max_seq_len,
                                recipe.chat_template_kwargs)
+    first_turns = len(train)
+    if later_files is not None:
+        train += training_sequences(*later_files, tokenizer, recipe.chat_template, spec.max_seq_len,
+                                    recipe.chat_template_kwargs)
     heldout = training_sequences(*heldout_files, tokenizer, recipe.chat_template, spec.max_seq_len,
                                  recipe.chat_template_kwargs)
     if not train:
@@ -440,7 +446,8 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
     summary = TrainSummary(output, step, tokens_seen, train_seconds, agreement or [], acceptance, resumed_from,
                            others)
     write_card(output, recipe, summary, history=history, counts=counts, config=config,
-               data={"train_answers": distilled, "dataset_answers": len(train) - distilled,
+               data={"train_answers": distilled, "later_turn_answers": distilled - first_turns,
+                     "dataset_answers": len(train) - distilled,
                      "heldout_answers": len(heldout),
                      "data_seconds": data_seconds, "feature_seconds": feature_seconds,
                      "dtype": dtype_name, "data_dtype": data_dtype,
