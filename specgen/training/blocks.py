@@ -14,10 +14,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from specgen.drafts.dflash import block_masks
 from specgen.models.layers import rope_cos_sin
+from specgen.training.soft_labels import label_loss
 
 
 def sample_anchors(scored: torch.Tensor, count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,11 +61,14 @@ def block_logits(draft, aux: torch.Tensor, tokens: torch.Tensor, anchors: torch.
 
 
 def block_loss(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch.Tensor, anchors: torch.Tensor,
-               keep: torch.Tensor, gamma: float,
-               label_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               keep: torch.Tensor, gamma: float, label_map: torch.Tensor | None = None,
+               teacher: torch.Tensor | None = None,
+               soft_weight: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Position-decayed cross-entropy over every kept block; returns (loss, correct [K], count [K]).
     `label_map` [V]: target id -> draft id (-1 outside the draft vocabulary: such labels are left out
-    of the loss, as they can never be drafted, and count as misses in the agreement)."""
+    of the loss, as they can never be drafted, and count as misses in the agreement). `teacher`
+    [B, S, Vd]: the target's distribution of the token after each position
+    (training/soft_labels.py), mixed into the loss with `soft_weight`."""
     batch, length = tokens.shape
     k = draft.num_speculative_tokens
     offsets = torch.arange(1, k + 1, device=tokens.device)
@@ -80,7 +83,11 @@ def block_loss(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch.Ten
         valid = valid & (labels >= 0)
     logits = block_logits(draft, aux, tokens, anchors)                        # [B, N, K, Vd]
     weights = torch.exp(-(offsets - 1).float() / gamma) if gamma > 0 else torch.ones(k, device=tokens.device)
-    ce = F.cross_entropy(logits[valid], labels[valid], reduction="none")
+    probs = None
+    if teacher is not None:     # the label at a + i is what the target predicted at a + i - 1
+        rows = torch.arange(batch, device=tokens.device).view(-1, 1, 1).expand_as(where)
+        probs = teacher[rows[valid], where[valid] - 1]                          # [M, Vd]
+    ce = label_loss(logits[valid], labels[valid], probs, soft_weight)
     w = weights.expand_as(valid)[valid]
     loss = (ce * w).sum() / w.sum().clamp(min=1e-6)
     right = (logits.argmax(-1) == labels) & valid

@@ -127,6 +127,13 @@ head, which may then draft a token outside the {reduced}).
                      f"(gamma {spec.loss_gamma or max(1, spec.block_size // 2)})",
            "mtp": f"next-next-token loss, plus the same loss on {spec.ttt_steps - 1} further unrolled "
                   "passes (specgen chains the layer K times)"}
+    if spec.soft_labels > 0:
+        labels = ("soft labels: the target's distribution over the draft vocabulary (its logits at the "
+                  "same position, softmaxed over those rows)")
+        if spec.soft_labels < 1:
+            labels = f"its greedy token mixed with {labels}, weight {spec.soft_labels:g}"
+    else:
+        labels = "hard labels: the target's greedy token"
     minutes = (summary.train_seconds + data["data_seconds"] + data.get("feature_seconds", 0.0)) / 60
     features = (f" + {data['feature_seconds'] / 60:.1f} min target features (written to the feature cache; 0 "
                 "when another run had)") if spec.feature_cache else ""
@@ -177,7 +184,7 @@ Held-out top-1 agreement per drafted position (teacher-forced): {agreement}.
 - Tokens seen: {tokens_line}.{start_line}
 
 ## Training
-- Objective: {how[method]}.
+- Objective: {how[method]}; {labels}.
 - {summary.steps} steps of {spec.batch_size} sequences, AdamW (lr {spec.learning_rate:g}, betas 0.9/0.95,
   weight decay {spec.weight_decay:g}), {spec.warmup_steps} warm-up steps then cosine to
   {spec.min_lr_ratio:g} x lr, gradient clipping {spec.grad_clip:g}; {data['dtype']} autocast, fp32 weights.

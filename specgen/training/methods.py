@@ -9,8 +9,10 @@ Contract: `TRAINERS[method]` is a `MethodTrainer` with
   warm start) `state`, a trained draft's tensors in its checkpoint layout, vocabulary map included;
   via the same builders `specgen run` loads with (drafts/*.py), so training and inference share one
   module;
-- `loss(draft, aux, tokens, scored, spec, generator) -> (loss, correct [P], count [P])`: the
-  method's objective and its per-position top-1 agreement (P = unrolled steps or block positions);
+- `loss(draft, aux, tokens, scored, spec, generator, teacher=None) -> (loss, correct [P], count
+  [P])`: the method's objective and its per-position top-1 agreement (P = unrolled steps or block
+  positions); `teacher` [B, T, Vd], the target's distribution over the draft vocabulary at each
+  position, makes the labels soft with weight `spec.soft_labels` (training/soft_labels.py);
 - `export(draft, config, extra) -> tensors`: the state in the published layout its loader reads
   (EAGLE-3: `midlayer.*`; DFlash: z-lab's keys; MTP: `model.layers.{N}.*`; each with `d2t`/`t2d`
   when its vocabulary is reduced);
@@ -108,8 +110,8 @@ def _vocab_export(draft) -> dict[str, torch.Tensor]:
     return d2t_tensors(draft.draft_to_target, draft.config.vocab_size) if draft.reduced_vocab else {}
 
 
-def _chain_loss(draft, aux, tokens, scored, spec, generator):
-    steps = unrolled_chain(draft, aux, tokens, scored, spec.ttt_steps, labels_of(draft))
+def _chain_loss(draft, aux, tokens, scored, spec, generator, teacher=None):
+    steps = unrolled_chain(draft, aux, tokens, scored, spec.ttt_steps, labels_of(draft), teacher, spec.soft_labels)
     loss = sum(spec.ttt_decay ** i * s.loss for i, s in enumerate(steps)) / sum(
         spec.ttt_decay ** i for i in range(len(steps)))
     return loss, torch.stack([s.correct for s in steps]), torch.stack([s.count for s in steps])
@@ -128,6 +130,8 @@ def _eagle3_config(shape: TargetShape, spec, token_counts: torch.Tensor, unused_
     config.update({**vocab, "target_hidden_size": shape.hidden_size,
                    "eagle_config": {"eagle_aux_hidden_state_layer_ids":
                                     list(eagle3.default_aux_layer_ids(shape.num_layers))}})
+    if spec.head_init == "target":
+        extra["head_from_target"] = True
     return config, extra
 
 
@@ -135,6 +139,12 @@ def _eagle3_build(config: dict, extra: dict, target, k: int, state: dict | None 
     draft = _built(eagle3.build_eagle3_draft, config, state, target, k)
     if "draft_to_target" in extra:      # EAGLE-3's own head is already Vd rows: only the map changes
         draft.draft_to_target = extra["draft_to_target"].to(target.input_embedding.device)
+    if state is None and extra.get("head_from_target"):
+        # a new head starts as the target's rows for the draft vocabulary (trained from there): the
+        # draft's hidden size is the target's, and the target's head already separates these tokens
+        rows = target.output_embedding.detach()
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(rows[draft.draft_to_target] if draft.reduced_vocab else rows)
     return draft
 
 
@@ -193,10 +203,10 @@ def _dflash_build(config: dict, extra: dict, target, k: int, state: dict | None 
     return _with_vocabulary(_built(dflash.build_dflash_draft, config, state, target, k), extra)
 
 
-def _dflash_loss(draft, aux, tokens, scored, spec, generator):
+def _dflash_loss(draft, aux, tokens, scored, spec, generator, teacher=None):
     anchors, keep = sample_anchors(scored, spec.anchors, generator)
     gamma = spec.loss_gamma if spec.loss_gamma is not None else default_gamma(spec.block_size)
-    return block_loss(draft, aux, tokens, scored, anchors, keep, gamma, labels_of(draft))
+    return block_loss(draft, aux, tokens, scored, anchors, keep, gamma, labels_of(draft), teacher, spec.soft_labels)
 
 
 def _dflash_export(draft, config: dict, extra: dict) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ Contract: `train_draft(recipe)` runs the whole job and writes `draft.model` (a f
 1. data: the target answers train-split ShareGPT prompts (and a few held-out ones) with specgen's own
    engine, cached and shared by every draft method (training/distill.py);
 2. training: AdamW, linear warm-up then cosine decay, gradient clipping, target features captured on
-   the fly (training/features.py), the method's objective (training/methods.py);
+   the fly (training/features.py), the method's objective (training/methods.py), on the target's
+   greedy tokens or, with `train.soft_labels`, its distribution too (training/soft_labels.py);
    The draft starts from random weights, or from a trained draft of the same method
    (`train.init_from`: its weights and shape; its vocabulary too where the head holds only those
    rows, EAGLE-3's, while DFlash and MTP choose theirs again from this run's answers; the card counts
@@ -46,6 +47,7 @@ from specgen.training.export import write_card, write_checkpoint
 from specgen.training.feature_cache import FeatureStore
 from specgen.training.features import padded_batch, target_features
 from specgen.training.methods import TRAINERS, mask_candidates, rechosen_vocabulary
+from specgen.training.soft_labels import teacher_layer, teacher_probs
 
 
 class TrainError(Exception):
@@ -213,7 +215,8 @@ def _draft_k(method: str, spec) -> int:
     return spec.block_size - 1 if method == "dflash" else spec.ttt_steps
 
 
-_LATER_FIELDS = {"init_from": None, "skip_prompts": 0}    # train fields added after runs were keyed
+# train fields added after runs were keyed, with the value that keeps an older run's key
+_LATER_FIELDS = {"init_from": None, "skip_prompts": 0, "soft_labels": 0.0, "head_init": "random"}
 
 
 def _state_folder(recipe: Recipe, target_key: str) -> Path:
@@ -359,15 +362,30 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
 
     # Half-precision target features; the draft's fp32 weights run under autocast to the same dtype.
     autocast = dtype if dtype != torch.float32 else None
+    soft = spec.soft_labels > 0
+    layers = tuple(draft.aux_layer_ids) + ((teacher_layer(target),) if soft else ())
     store, feature_seconds = None, 0.0
     if spec.feature_cache and step < len(order):
         started = time.perf_counter()
         # the held-out sequences too: agreement is measured every eval_every steps on the same ones
-        store = _filled_store(target, train + heldout, draft.aux_layer_ids, r.target_folder, dtype_name, status)
+        store = _filled_store(target, train + heldout, layers, r.target_folder, dtype_name, status)
         feature_seconds = time.perf_counter() - started
 
     def cached_features(batch, tokens: torch.Tensor) -> torch.Tensor:
         return store.read(batch, draft.aux_layer_ids, tokens.shape[1], dtype).to(r.device)
+
+    def features_and_teacher(batch, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # -> the draft's features [B, T, n * H] and, with soft labels, the target's distribution
+        # over the draft vocabulary [B, T, Vd] (its last layer, read in the same forward)
+        if store is not None:
+            captured = store.read(batch, layers, tokens.shape[1], dtype).to(r.device)
+        else:
+            captured = target_features(target, tokens, layers)
+        if not soft:
+            return captured, None
+        width = len(draft.aux_layer_ids) * target.hidden_size
+        vocab = draft.draft_to_target if draft.reduced_vocab else None
+        return captured[..., :width], teacher_probs(target, captured[..., width:], vocab)
 
     def evaluate() -> list[float]:
         draft.eval()
@@ -392,13 +410,10 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
                 group["lr"] = learning_rate(spec, step, len(order))
             batch = [train[i] for i in order[step]]
             tokens, scored = (t.to(r.device) for t in padded_batch(batch))
-            if store is not None:
-                aux = cached_features(batch, tokens)
-            else:
-                aux = target_features(target, tokens, draft.aux_layer_ids)
+            aux, teacher = features_and_teacher(batch, tokens)
             generator = torch.Generator().manual_seed(spec.seed * 1_000_003 + step)
             with torch.autocast(r.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                loss, _, _ = trainer.loss(draft, aux, tokens, scored, spec, generator)
+                loss, _, _ = trainer.loss(draft, aux, tokens, scored, spec, generator, teacher)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), spec.grad_clip)

@@ -23,9 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-
 from specgen.models.layers import CachedSelfAttention
+from specgen.training.soft_labels import label_loss
 
 
 class UnrolledAttention:
@@ -83,17 +82,20 @@ def unrolled_hidden(draft, aux: torch.Tensor, tokens: torch.Tensor, steps: int):
 
 
 def unrolled_chain(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch.Tensor, steps: int,
-                   label_map: torch.Tensor | None = None) -> list[StepResult]:
+                   label_map: torch.Tensor | None = None, teacher: torch.Tensor | None = None,
+                   soft_weight: float = 0.0) -> list[StepResult]:
     """The per-step cross-entropy of `steps` unrolled passes of a chained draft over whole sequences.
 
     scored: [B, T] bool, True where the token at that position is a label worth learning (the
     answer, past its first token). `label_map` [V] maps target ids to the draft vocabulary (-1 =
     outside it; such labels are left out of the loss, as they can never be drafted, and count as
-    misses in the agreement)."""
+    misses in the agreement). `teacher` [B, T, Vd]: the target's distribution of the token after
+    each position (training/soft_labels.py), mixed into the loss with `soft_weight`."""
     out = []
     # Entry t is an anchor at inference only once the token at t + 1 is a committed answer token,
     # i.e. when step 0's label (t + 2) is scored; later steps must not train earlier anchors.
     anchors = shifted(scored, 2, False)
+    length = tokens.shape[1]
     for i, hidden in enumerate(unrolled_hidden(draft, aux, tokens, steps)):
         labels = shifted(tokens, 2 + i, 0)
         mask = shifted(scored, 2 + i, False) & anchors
@@ -103,7 +105,9 @@ def unrolled_chain(draft, aux: torch.Tensor, tokens: torch.Tensor, scored: torch
             mask = mask & (labels >= 0)
         logits = draft.draft_logits(hidden[mask])                             # [N, Vd] float32
         target = labels[mask]
-        loss = F.cross_entropy(logits, target) if target.numel() else logits.sum() * 0
+        # the label at t + 2 + i is what the target predicted at t + 1 + i (mask is False past T - 2 - i)
+        probs = teacher[:, 1 + i:][mask[:, :max(0, length - 1 - i)]] if teacher is not None else None
+        loss = label_loss(logits, target, probs, soft_weight).mean() if target.numel() else logits.sum() * 0
         correct = (logits.argmax(-1) == target).sum()
         out.append(StepResult(loss, correct, scored_labels))
     return out
