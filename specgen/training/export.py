@@ -134,6 +134,8 @@ head, which may then draft a token outside the {reduced}).
             labels = f"its greedy token mixed with {labels}, weight {spec.soft_labels:g}"
     else:
         labels = "hard labels: the target's greedy token"
+    if method == "eagle3" and spec.head_init == "target" and not data.get("init_from"):
+        labels += "; the head started as the target's rows for the draft vocabulary"
     minutes = (summary.train_seconds + data["data_seconds"] + data.get("feature_seconds", 0.0)) / 60
     features = (f" + {data['feature_seconds'] / 60:.1f} min target features (written to the feature cache; 0 "
                 "when another run had)") if spec.feature_cache else ""

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from specgen.models.layers import CachedSelfAttention
 from specgen.training.soft_labels import label_loss
 
