@@ -76,9 +76,9 @@ def _time_calls(functions) -> dict[int, list[float]]:
             calls[0].append(time.perf_counter() - start)
         return out
 
-    def timed_step(kv_len, window, k):
+    def timed_step(kv_len, window, k, **options):
         start = time.perf_counter()
-        out = step(kv_len, window, k)
+        out = step(kv_len, window, k, **options)
         calls[k].append(time.perf_counter() - start)
         return out
 

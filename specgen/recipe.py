@@ -192,6 +192,7 @@ class TrainSpec:
     draft_vocab_size: int = 8192      # most frequent answer tokens the draft scores (d2t / t2d)
     soft_labels: float = 0.0          # weight of the target's distribution as label (0 = its greedy token only)
     head_init: str = "random"         # eagle3: a new draft's head, random or the target's head rows (its d2t rows)
+    keep_vocabulary: bool = False     # mtp, dflash: a warm start keeps its draft's vocabulary (else chosen again)
     layers: int = 2                   # dflash: draft layers
     block_size: int = 8               # dflash: anchor + K masks
     anchors: int = 32                 # dflash: blocks per sequence
@@ -212,7 +213,8 @@ class TrainSpec:
 TRAIN_FIELDS_OF = {"ttt_steps": ("eagle3", "mtp"), "ttt_decay": ("eagle3", "mtp"),
                    "layers": ("dflash",), "block_size": ("dflash",),
                    "anchors": ("dflash",), "loss_gamma": ("dflash",), "mask_token_id": ("dflash",),
-                   "feature_layers": ("dflash",), "head_init": ("eagle3",)}
+                   "feature_layers": ("dflash",), "head_init": ("eagle3",),
+                   "keep_vocabulary": ("mtp", "dflash")}
 
 
 @dataclass(frozen=True, slots=True)
@@ -685,6 +687,7 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
         draft_vocab_size=check.get(t, "train.draft_vocab_size", _integer(2), d.draft_vocab_size),
         soft_labels=check.get(t, "train.soft_labels", fraction, d.soft_labels),
         head_init=check.get(t, "train.head_init", _choice(("random", "target")), d.head_init),
+        keep_vocabulary=check.get(t, "train.keep_vocabulary", _boolean, d.keep_vocabulary),
         layers=check.get(t, "train.layers", positive, d.layers),
         block_size=check.get(t, "train.block_size", _integer(2, MAX_NUM_SPECULATIVE_TOKENS + 1), d.block_size),
         anchors=check.get(t, "train.anchors", positive, d.anchors),
@@ -712,6 +715,9 @@ def _train_spec(check: _Checker, data: Mapping[str, Any], method: str, draft_mod
         if key in t and method not in methods:
             check.problems.append((f"train.{key}", f"applies to draft.method {' / '.join(methods)} only, "
                                                    f"not {method}"))
+    if spec.keep_vocabulary and spec.init_from is None:
+        check.problems.append(("train.keep_vocabulary", "keeps the vocabulary of train.init_from's draft, "
+                                                        "and train.init_from is not set"))
     if draft_model is None:
         check.problems.append(("draft.model", "required with a train section: the trained draft is written there"))
     return spec

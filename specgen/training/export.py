@@ -153,7 +153,7 @@ head, which may then draft a token outside the {reduced}).
         total = summary.tokens_seen + (start.get("tokens_seen_total") or 0)
         tokens_line += f" in this run; {total:,} in all, with the runs it started from"
         kept = ("its weights; the vocabulary chosen again from this run's answers"
-                if TRAINERS[method].head_rows_chosen else "its weights and vocabulary")
+                if TRAINERS[method].head_rows_chosen and not spec.keep_vocabulary else "its weights and vocabulary")
         start_line = (f"\n- Started from the trained draft in `{start['folder']}` (`train.init_from`: {kept}), "
                       f"whose run took {start.get('steps')} steps over "
                       f"{start.get('train_answers')} answers (`{start.get('command')}`); "

@@ -182,7 +182,7 @@ def _warm_start(method: str, spec, folder: Path) -> WarmStart:
         raise TrainError(f"{where}: holds an {found} draft, but draft.method is {method}")
     vocab = int(config.get("vocab_size", 0)) or None
     for field_name, read in _SHAPE_FIELDS[method].items():
-        if field_name == "draft_vocab_size" and TRAINERS[method].head_rows_chosen:
+        if field_name == "draft_vocab_size" and TRAINERS[method].head_rows_chosen and not spec.keep_vocabulary:
             continue                # chosen again from this run's answers (methods.rechosen_vocabulary)
         ours, theirs = getattr(spec, field_name), read(config)
         if field_name == "draft_vocab_size" and vocab:     # new drafts take min(field, vocabulary) too
@@ -216,7 +216,8 @@ def _draft_k(method: str, spec) -> int:
 
 
 # train fields added after runs were keyed, with the value that keeps an older run's key
-_LATER_FIELDS = {"init_from": None, "skip_prompts": 0, "soft_labels": 0.0, "head_init": "random"}
+_LATER_FIELDS = {"init_from": None, "skip_prompts": 0, "soft_labels": 0.0, "head_init": "random",
+                 "keep_vocabulary": False}
 
 
 def _state_folder(recipe: Recipe, target_key: str) -> Path:
@@ -326,7 +327,11 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         config, extra, lineage = start.config, {}, start.lineage
         try:
             initial = read_draft_tensors(method, config, start.folder, dtype=torch.float32, device=r.device)
-            if trainer.head_rows_chosen:
+            # A head gathered from the target's rows takes this run's most frequent answer tokens,
+            # unless the run keeps the start's: its answers may be fewer than those that chose it
+            # (a sitting of mostly `dataset_answers`), and a vocabulary counted on fewer answers
+            # covers fewer of the tokens the target will say.
+            if trainer.head_rows_chosen and not spec.keep_vocabulary:
                 config, extra = rechosen_vocabulary(config, initial, target.shape, spec, counts)
             draft = trainer.build(config, extra, target, k, initial)
         except CheckpointError as err:
