@@ -144,8 +144,9 @@ head, which may then draft a token outside the {reduced}).
                   "conversation up to that turn, the dataset's own earlier replies included; the limit "
                   "counts the whole conversation so far.") if later else ""
     extra = data.get("dataset_answers", 0)
-    dataset_line = (f"\n- Plus {extra} of ShareGPT's own replies to the same prompts (off-policy: written by "
-                    f"other models; `train.dataset_answers: {spec.dataset_answers:g}`).") if extra else ""
+    dataset_line = (f"\n- Plus {extra} of ShareGPT's own replies to the split's prompts, taken in the same order "
+                    f"(the answered prompts' own, then the next ones'; off-policy: written by other models; "
+                    f"`train.dataset_answers: {spec.dataset_answers:g}`).") if extra else ""
     start = data.get("init_from")
     tokens_line = f"{summary.tokens_seen:,} ({spec.epochs:g} epoch{'s' * (spec.epochs != 1)})"
     start_line = ""
