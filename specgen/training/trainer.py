@@ -9,8 +9,9 @@ Contract: `train_draft(recipe)` runs the whole job and writes `draft.model` (a f
    greedy tokens or, with `train.soft_labels`, its distribution too (training/soft_labels.py);
    The draft starts from random weights, or from a trained draft of the same method
    (`train.init_from`: its weights and shape; its vocabulary too where the head holds only those
-   rows, EAGLE-3's, while DFlash and MTP choose theirs again from this run's answers; the card counts
-   what both runs saw), so training can go on over several sittings with new data;
+   rows, EAGLE-3's, while DFlash and MTP choose theirs again from this run's answers unless
+   `train.keep_vocabulary` keeps it; the card counts what both runs saw), so training can go on
+   over several sittings with new data;
 3. checkpoints under `$SPECGEN_CACHE/train/<key>/` every `checkpoint_every` steps and on Ctrl-C: the
    same command resumes where it stopped (the key covers the recipe's train section, the method, the
    target and the output folder; `restart=True` starts over);
@@ -376,16 +377,19 @@ def train_draft(recipe: Recipe, *, restart: bool = False, on_status: Callable[[s
         store = _filled_store(target, train + heldout, layers, r.target_folder, dtype_name, status)
         feature_seconds = time.perf_counter() - started
 
+    def hidden_states(batch, tokens: torch.Tensor, wanted: tuple[int, ...]) -> torch.Tensor:
+        # -> the outputs of the `wanted` target layers [B, T, n * H]: from the feature store, else live
+        if store is not None:
+            return store.read(batch, wanted, tokens.shape[1], dtype).to(r.device)
+        return target_features(target, tokens, wanted)
+
     def cached_features(batch, tokens: torch.Tensor) -> torch.Tensor:
-        return store.read(batch, draft.aux_layer_ids, tokens.shape[1], dtype).to(r.device)
+        return hidden_states(batch, tokens, draft.aux_layer_ids)
 
     def features_and_teacher(batch, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         # -> the draft's features [B, T, n * H] and, with soft labels, the target's distribution
         # over the draft vocabulary [B, T, Vd] (its last layer, read in the same forward)
-        if store is not None:
-            captured = store.read(batch, layers, tokens.shape[1], dtype).to(r.device)
-        else:
-            captured = target_features(target, tokens, layers)
+        captured = hidden_states(batch, tokens, layers)
         if not soft:
             return captured, None
         width = len(draft.aux_layer_ids) * target.hidden_size
