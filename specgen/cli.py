@@ -38,20 +38,31 @@ def run(
 ) -> None:
     """Generate a completion for every prompt; resumable, one JSONL line per prompt.
     Exit 0: all generated; 1: failed; 2: bad input (recipe, checkpoint, output path, prompts);
-    3: finished with error records; 130: interrupted (rerun to resume)."""
+    3: finished with error records; 130: interrupted (rerun to resume).
+    Under `torchrun --nproc-per-node N -m specgen run ...` the prompts are shared out over the ranks
+    (data parallel); rank 0 shows the progress of all of them and merges their results."""
     try:
         parsed = load_recipe(recipe, set_ or ())
     except RecipeError as err:
         console.print(f"[red]{err}[/red]", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     from specgen.job import JobError, run_job  # heavy imports only once the recipe is valid
+    from specgen.parallel.world import World
 
+    try:
+        world = World.from_env()
+    except (ValueError, KeyError) as err:
+        console.print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
     out = Path(output or parsed.output)
     bar = _progress_bar()
     task = None
 
     def on_start(total: int, header: str, notes: list[str]) -> None:
         nonlocal task
+        if not world.leader:        # one bar and one set of notes for the job: rank 0's
+            console.print(f"specgen rank {world.rank}: {header}", highlight=False, soft_wrap=True)
+            return
         console.print(f"specgen: {header}", highlight=False, soft_wrap=True)
         for note in notes:
             console.print(f"[yellow]note:[/yellow] {note}", highlight=False, soft_wrap=True)
@@ -59,21 +70,27 @@ def run(
         task = bar.add_task("generating", total=total, rate="-", accept="-")
 
     def on_progress(p) -> None:
-        bar.update(task, completed=p.finished, rate=f"{p.tokens_per_second:,.1f} tok/s",
-                   accept=_acceptance_field(p.totals))
+        if task is not None:
+            bar.update(task, completed=p.finished, rate=f"{p.tokens_per_second:,.1f} tok/s",
+                       accept=_acceptance_field(p.totals))
 
     def on_status(line: str) -> None:
-        bar.console.print(line, highlight=False)
+        bar.console.print(line if world.leader else f"rank {world.rank}: {line}", highlight=False)
 
     with _stopping_cleanly(bar, JobError, f"Finished results are safe in {out}; run the same command "
                                           "again to resume (ids already written are skipped)."):
         summary = run_job(parsed, prompts=prompts, output=output, limit=limit, resume=not no_resume,
-                          on_start=on_start, on_progress=on_progress, on_status=on_status)
+                          on_start=on_start, on_progress=on_progress, on_status=on_status, world=world)
+    if not world.leader:
+        return
     _print_summary(summary)
     if summary.stats["errors"]:
+        # Under torchrun any rank's non-zero exit reads as the job's failure (torchrun exits 1 with a
+        # traceback), which a finished job is not: there the records and the stats say it.
+        code = 0 if world.distributed else EXIT_ERROR_RECORDS
         console.print(f"[yellow]{summary.stats['errors']} of {summary.stats['requests']} records are errors "
-                      f"(finish_reason \"error\"): exit code {EXIT_ERROR_RECORDS}[/yellow]", highlight=False)
-        raise typer.Exit(EXIT_ERROR_RECORDS)
+                      f"(finish_reason \"error\"): exit code {code}[/yellow]", highlight=False)
+        raise typer.Exit(code)
 
 
 @contextmanager
@@ -332,6 +349,10 @@ def _print_summary(summary) -> None:
     rate, this = s["output_tokens_per_second"], s["this_run"]
     line = (f"{this['requests']} prompts ({this['errors']} errors), {this['output_tokens']} tokens in "
             f"{s['generation_seconds']:.1f} s = {rate or 0:,.1f} tok/s")
+    if s.get("data_parallel"):
+        line += f" over {s['data_parallel']['ranks']} data-parallel ranks"
+    if (s.get("tensor_parallel_size") or 1) > 1:
+        line += f" (the target split over {s['tensor_parallel_size']} tensor-parallel ranks)"
     if this["resumed_past"]:
         line = (f"{s['requests']} prompts in the output ({s['errors']} errors); this run: " + line)
     if s["compile_seconds"]:

@@ -441,20 +441,34 @@ class ResultWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume and self.path.exists():
             _cut_torn_tail(self.path)
-            self.done_ids = _read_ids(self.path)
+            self.done_ids = read_result_ids(self.path)
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if resume else os.O_TRUNC)
         self._fd: int | None = os.open(self.path, flags, 0o644)
 
     def write(self, record: Mapping[str, Any]) -> None:
+        self._append((json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8"))
+        if "id" in record:
+            self.done_ids.add(str(record["id"]))
+
+    def write_line(self, line: bytes) -> None:
+        """A result line as written before (by another writer), ending in a newline."""
+        self._append(line)
+        record = json.loads(line)
+        if isinstance(record, dict) and "id" in record:
+            self.done_ids.add(str(record["id"]))
+
+    def sync(self) -> None:
+        """What was written is on disk (before the records it copies are removed elsewhere)."""
+        if self._fd is not None:
+            os.fsync(self._fd)
+
+    def _append(self, data: bytes) -> None:
         if self._fd is None:
             raise ValueError(f"ResultWriter for {self.path} is closed")
-        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
         # One write per line: with O_APPEND and no Python buffer, a crash tears at most this line.
         written = os.write(self._fd, data)
         while written < len(data):  # regular files rarely write short, but it is allowed
             written += os.write(self._fd, data[written:])
-        if "id" in record:
-            self.done_ids.add(str(record["id"]))
 
     def close(self) -> None:
         if self._fd is not None:
@@ -488,7 +502,8 @@ def _cut_torn_tail(path: Path) -> None:
         f.truncate(0)
 
 
-def _read_ids(path: Path) -> set[str]:
+def read_result_ids(path: Path) -> set[str]:
+    """The ids of the whole result lines of a results file (torn or foreign lines are skipped)."""
     ids: set[str] = set()
     with path.open("r", encoding="utf-8", errors="replace") as f:
         for line in f:

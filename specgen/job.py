@@ -44,6 +44,11 @@ from specgen.data import (PromptRecord, PromptSourceError, ResultsFileError, Res
 from specgen.drafts.forced import JUMP_FORWARD_K
 from specgen.drafts.suffix import SuffixProposer
 from specgen.machine import choose_threads, cpu_has_avx512, cpu_has_bf16
+from specgen.models.tensor_parallel import TensorParallel, rank_shape
+from specgen.parallel.decisions import SharedDecisions
+from specgen.parallel.progress import JobProgress
+from specgen.parallel.shards import finished_ids, merge_parts, part_path, remove_parts, shard_of
+from specgen.parallel.world import World
 from specgen.pipelines.compiled import freezes, use_compile_cache
 from specgen.pipelines.host_policy import HostDraftPolicy
 from specgen.pipelines.hybrid_policy import HybridPolicy
@@ -166,7 +171,7 @@ def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
     try:
         with without_gc():
             target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device="meta",
-                                 dummy=dummy, dry=not dummy)
+                                 dummy=dummy, dry=not dummy, tp=TensorParallel(0, recipe.runtime.tensor_parallel_size))
             if recipe.draft.enabled and r.draft_config is not None and recipe.draft.load_format != "dummy":
                 load_draft(recipe.draft.model_method, r.draft_config, r.draft_folder, target,
                            num_speculative_tokens=recipe.draft.k_max, dtype=r.draft_dtype,
@@ -233,7 +238,11 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     """What the run will hold, from configs alone: weights, caches, and the transients of a step and
     a prefill call (logits and their processing, attention workspace, activations; on CUDA the
     graph pool keeps the step's transients for good)."""
+    # a tensor-parallel rank holds its slice of the target (its heads, KV heads, MLP rows) and its
+    # cache; the draft, the embedding and the LM head are whole on every rank
     cfg = target_config(r.target_config)
+    tp = TensorParallel(0, recipe.runtime.tensor_parallel_size)
+    shard = rank_shape(cfg, tp) if tp.active else cfg
     item = torch.empty((), dtype=r.dtype).element_size()
     b, k, dcfg = recipe.runtime.batch_size, 0, None
     if recipe.draft.has_model:
@@ -248,8 +257,8 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     filters = s.temperature > 0 and (s.top_p < 1 or s.top_k > 0)
     relaxed = s.relaxed_acceptance is not None and k > 0
     parts = {
-        "target weights": cfg.num_parameters() * item,
-        "target KV cache": cfg.cache_bytes_per_token(r.dtype) * b * seq,
+        "target weights": shard.num_parameters() * item,
+        "target KV cache": shard.cache_bytes_per_token(r.dtype) * b * seq,
         # fp32 logits, processed log-probs, noise scores; top-k / top-p: probabilities, keys, masks;
         # relaxed acceptance: probabilities and a comparison
         "logits workspace": rows * vocab * 4 * (3 + (4 if filters else 0) + (2 if relaxed else 0)),
@@ -333,7 +342,8 @@ def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | N
 
 def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int | None = None,
                  target=None, tokenizer=None, expected_tokens: int | None = None,
-                 structured: bool | None = None):
+                 structured: bool | None = None, threads: tuple[int, str] | None = None,
+                 tp: TensorParallel = TensorParallel()):
     """Load the models and bind them into a Runner; returns (runner, tokenizer, notes).
 
     `runner.header` is one line saying what runs where: device, dtype, threads, compile, batch, draft.
@@ -341,9 +351,12 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     `expected_tokens` (output tokens it may produce) tells an adaptive K what compiling can repay.
     `target` / `tokenizer`: already loaded ones to share (several runners over one target: bench).
     `structured`: some request has a response_format (default: the recipe has one); the step then
-    takes token masks and the runner a grammar engine (specgen/structured)."""
+    takes token masks and the runner a grammar engine (specgen/structured). `threads`: (count, why)
+    decided by the caller (a data-parallel rank's share of the CPUs); else `runtime.threads` or what
+    is free (machine.py). `tp`: this rank's slice of a tensor-parallel target."""
     notes: list[str] = []
-    threads, why_threads = choose_threads(recipe.runtime.threads)
+    threads, why_threads = threads if threads is not None and recipe.runtime.threads is None \
+        else choose_threads(recipe.runtime.threads)
     torch.set_num_threads(threads)
     if tokenizer is None:     # first: a recipe its tokenizer cannot serve stops before weights load
         tokenizer = load_tokenizer(r.target_folder, target_config(r.target_config).vocab_size)
@@ -357,7 +370,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     dummy_target = recipe.target.load_format == "dummy"
     if target is None:
         target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
-                             dummy=dummy_target)
+                             dummy=dummy_target, tp=tp)
     if dummy_target:
         notes.append("target.load_format is dummy: random weights, the output text is meaningless "
                      "(for measuring speed only)")
@@ -567,10 +580,21 @@ def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = 
             limit: int | None = None, resume: bool = True,
             on_start: Callable[[int, str, list[str]], None] | None = None,
             on_progress: Callable[[Progress], None] | None = None,
-            on_status: Callable[[str], None] | None = None) -> JobSummary:
+            on_status: Callable[[str], None] | None = None,
+            world: World | None = None) -> JobSummary:
     """Run a recipe end to end. `on_start(total, header, notes)` fires once the models are loaded;
-    `on_status(line)` reports the one-time warm-up."""
+    `on_status(line)` reports the one-time warm-up.
+
+    Under torchrun (`world`, default: from the environment) each rank takes the prompts whose ids
+    hash to it (parallel/shards.py) and writes its own part; rank 0's `on_start` and `on_progress`
+    count every rank's prompts, and rank 0 merges the parts and writes the statistics once every rank
+    is done. The other ranks return their own figures and write no statistics."""
     started = time.perf_counter()
+    world = World.from_env() if world is None else world
+    try:
+        world.check_tensor_parallel(recipe.runtime.tensor_parallel_size)
+    except ValueError as err:
+        raise InputError(str(err)) from None
     out_path = Path(output or recipe.output)
     check_output(out_path)
     check_output(stats_path(out_path))
@@ -580,43 +604,146 @@ def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = 
         raise InputError(str(err)) from err
     r = resolve(recipe)
     memory = check_memory(recipe, r)
+    joined_here = world.distributed and world.host_group is None
+    world.start(r.device, recipe.runtime.tensor_parallel_size)
+    try:
+        return _run_shard(recipe, r, world, records, out_path, memory, resume, started,
+                          on_start, on_progress, on_status)
+    finally:
+        if joined_here:
+            world.stop()
+
+
+def _run_shard(recipe: Recipe, r: Resolved, world: World, records: list[PromptRecord], out_path: Path,
+               memory: dict[str, int], resume: bool, started: float, on_start, on_progress,
+               on_status) -> JobSummary:
+    """`run_job` once the process group (if any) is joined: this rank's prompts, then the merge."""
     seed = recipe.sampling.seed if recipe.sampling.seed is not None else int.from_bytes(os.urandom(4), "little")
-    with ResultWriter(out_path, resume=resume) as writer:
-        todo = [rec for rec in records if rec.id not in writer.done_ids]
-        skipped = len(records) - len(todo)
+    seed = world.from_leader(seed)       # one job, one seed: the noise of an id is the same on any rank
+    threads = world.cpu_share()
+    if not resume and world.leader:
+        remove_parts(out_path, from_rank=world.dp_size)   # an earlier run's; each copy empties its own
+    done = finished_ids(out_path) if resume else set()  # also what any number of ranks wrote before
+    done = world.from_tp_leader(done)    # a copy's ranks run one loop: the same prompts, whatever they read
+    todo_everywhere = [rec for rec in records if rec.id not in done]
+    # a copy of the target (one rank, or a block of tensor-parallel ranks) takes the ids hashed to it
+    todo = [rec for rec in todo_everywhere if shard_of(rec.id, world.dp_size) == world.dp_rank]
+    skipped = len(records) - len(todo_everywhere)
+    shared = JobProgress(world) if world.distributed else None
+    with (ResultWriter(part_path(out_path, world.dp_rank), resume=resume) if world.writes else _Discard()) as writer:
         try:
             runner, tokenizer, notes = build_runner(
                 recipe, r, seed, expected_steps=expected_steps(todo, recipe),
-                expected_tokens=expected_tokens(todo, recipe),
+                expected_tokens=expected_tokens(todo, recipe), threads=threads, tp=world.tp,
                 structured=any(response_format_of(rec, recipe) is not None for rec in todo if not rec.error))
         except CheckpointError as err:     # the tokenizer, or weights that changed since the check
             raise InputError(str(err)) from err
+        if world.tp.active:
+            runner.header += f", tensor parallel: rank {world.tp.rank} of {world.tp.size}"
+            if not isinstance(runner.policy, FixedPolicy):
+                runner.policy = SharedDecisions(runner.policy, world)   # one k for the copy's ranks
+        if world.dp_size > 1:
+            runner.header += (f", data parallel: copy {world.dp_rank} of {world.dp_size} "
+                              f"({len(todo)} of {len(todo_everywhere)} prompts)")
         if recipe.chat_template and tokenizer.chat_template is None:
             notes.append("the tokenizer has no chat template: prompts are used as plain text")
         if on_start is not None:
-            on_start(len(todo), runner.header, notes)
+            on_start(len(todo_everywhere) if world.leader else len(todo), runner.header, notes)
         watch = _MismatchWatch(recipe, on_status)
+        latest = Progress(0, 0, 0.0, SpecCounters(runner.unified.k))
 
         def on_finish(c: Completion) -> None:
             writer.write(result_record(c))
 
         def progress(p: Progress) -> None:
+            nonlocal latest
+            latest = p
             watch(p)
+            if shared is not None and world.writes:
+                shared.update(p)
             if on_progress is not None:
-                on_progress(p)
+                on_progress(shared.combined(p) if shared is not None and world.leader else p)
 
         complete = False
+        ranks: list[dict] | None = None
         try:
             runner.run(_requests(todo, tokenizer, recipe), on_finish, progress, on_status)
+            if shared is not None:
+                shared.finish(_rank_figures(world, runner) if world.writes else {})
+                show = (lambda: on_progress(shared.combined(latest))) if on_progress and world.leader else None
+                ranks = shared.wait_all(show)
             complete = True
         finally:
-            # Written after Ctrl-C too: the figures then cover the requests that finished.
             notes += watch.notes
-            stats = _stats(recipe, r, seed, runner, complete, memory, notes, time.perf_counter() - started,
-                           out_path, skipped)
-            write_json_atomic(stats_path(out_path), stats)
+            if world.leader:
+                writer.close()
+                if complete:
+                    merge_parts(out_path, [rec.id for rec in records])
+                # Written after Ctrl-C too: the figures then cover the requests that finished
+                # (under data parallel, those in the output: the parts merge on the next run).
+                stats = _stats(recipe, r, seed, runner, complete, memory, notes,
+                               time.perf_counter() - started, out_path, skipped)
+                if ranks is not None:
+                    stats = _with_ranks(stats, [f for f in ranks if f], world)
+                write_json_atomic(stats_path(out_path), stats)
+            else:
+                stats = {"complete": complete, "data_parallel_rank": _rank_figures(world, runner)}
             runner.close()
     return JobSummary(out_path, stats_path(out_path), stats, skipped, notes)
+
+
+class _Discard:
+    """The results writer of a tensor-parallel rank that is not its copy's first: the first writes."""
+
+    def write(self, record) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _Discard:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+def _rank_figures(world: World, runner: Runner) -> dict:
+    """What one data-parallel copy did this run (rank 0 adds them up in the statistics)."""
+    t: RunTotals = runner.totals
+    return {"rank": world.rank, "copy": world.dp_rank, "requests": t.requests, "errors": t.errors, "output_tokens": t.output_tokens,
+            "steps": t.steps, "prefill_calls": t.prefill_calls, "generation_seconds": t.wall_seconds,
+            "compile_seconds": t.compile_seconds, "output_tokens_per_second": t.tokens_per_second,
+            "steady_output_tokens_per_second": t.steady_tokens_per_second, "threads": torch.get_num_threads(),
+            "k_steps": list(t.k_steps), "header": runner.header}
+
+
+def _with_ranks(stats: dict, ranks: list[dict], world: World) -> dict:
+    """Rank 0's statistics with this run's figures summed over every rank. The job's throughput is
+    every rank's tokens over the slowest rank's time (what the job took), as a single process's is
+    its tokens over its time."""
+    tokens = sum(f["output_tokens"] for f in ranks)
+    wall = max(f["generation_seconds"] for f in ranks)
+    steady = max(f["generation_seconds"] - f["compile_seconds"] for f in ranks)
+    k_steps = [0] * max((len(f["k_steps"]) for f in ranks), default=0)
+    for f in ranks:
+        for k, n in enumerate(f["k_steps"]):
+            k_steps[k] += n
+    return stats | {
+        "this_run": dict(stats["this_run"], requests=sum(f["requests"] for f in ranks),
+                         errors=sum(f["errors"] for f in ranks), output_tokens=tokens),
+        "steps": sum(f["steps"] for f in ranks),
+        "prefill_calls": sum(f["prefill_calls"] for f in ranks),
+        "generation_seconds": wall,
+        "compile_seconds": max(f["compile_seconds"] for f in ranks),
+        "output_tokens_per_second": tokens / wall if wall > 0 else None,
+        "steady_output_tokens_per_second": tokens / steady if steady > 0 else None,
+        "threads": sum(f["threads"] for f in ranks) * world.tp.size,
+        "speculation": dict(stats["speculation"], k_steps=k_steps),
+        # a copy of the target per entry: one rank, or the first of a tensor-parallel block
+        "data_parallel": {"ranks": len(ranks), "per_rank": ranks} if world.dp_size > 1 else None,
+        "tensor_parallel_size": world.tp.size,
+    }
 
 
 class _MismatchWatch:

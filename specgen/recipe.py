@@ -160,6 +160,7 @@ class RuntimeSpec:
     max_seq_len: int = 2048
     compile: bool | None = None  # None = auto: on CUDA; on CPU when the job is long enough to pay back
     threads: int | None = None  # None = auto: the CPUs not busy with other work
+    tensor_parallel_size: int = 1  # ranks (of a torchrun job) that split the target's layers between them
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,7 +492,7 @@ LOGPROBS_MAX_TOP = 20                   # vLLM's default cap on top logprobs
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos",
              "relaxed_acceptance", "logprobs", "logprobs_mode", "prompt_logprobs", "response_format")
 _RELAXED = ("top_k", "delta")
-_RUNTIME = ("device", "batch_size", "max_seq_len", "compile", "threads")
+_RUNTIME = ("device", "batch_size", "max_seq_len", "compile", "threads", "tensor_parallel_size")
 
 
 def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Recipe:
@@ -580,6 +581,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         max_seq_len=check.get(r, "runtime.max_seq_len", _integer(16), 2048),
         compile=check.get(r, "runtime.compile", _auto_or(_switch), None),
         threads=check.get(r, "runtime.threads", _auto_or(_integer(1)), None),
+        tensor_parallel_size=check.get(r, "runtime.tensor_parallel_size", _integer(1), 1),
     )
 
     train = _train_spec(check, data, method, draft_model)

@@ -27,6 +27,9 @@ FORBIDDEN = {
     "structured": ("specgen.models", "specgen.checkpoints", "specgen.drafts", "specgen.pipelines", "specgen.recipe",
                    "specgen.cli", "specgen.job", "specgen.data", "specgen.registry", "specgen.bench",
                    "specgen.training", "specgen.inspection"),
+    # data parallel (world, shards, progress) sits between the pipelines and the job
+    "parallel": ("specgen.recipe", "specgen.cli", "specgen.job", "specgen.bench", "specgen.training",
+                 "specgen.inspection"),
     "pipelines": ("specgen.recipe", "specgen.cli", "specgen.job", "specgen.bench", "specgen.training",
                   "specgen.inspection"),
 }

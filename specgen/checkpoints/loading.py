@@ -31,7 +31,8 @@ from specgen.checkpoints.store import CheckpointError, weight_files
 from specgen.checkpoints.weights import read_tensor_headers, read_tensors, tensor_names
 from specgen.drafts.precision import target_for_draft
 from specgen.models.materialise import build
-from specgen.registry import DRAFT_METHODS, UnsupportedError, target_architecture
+from specgen.models.tensor_parallel import TensorParallel, rank_shape
+from specgen.registry import DRAFT_METHODS, UnsupportedError, architecture_name, target_architecture
 
 
 def target_builder(config: dict, where: str = "config.json"):
@@ -49,18 +50,35 @@ def target_config(config: dict, where: str = "config.json"):
 
 
 def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device, dummy: bool,
-                seed: int = 0, dry: bool = False):
+                seed: int = 0, dry: bool = False, tp: TensorParallel = TensorParallel()):
+    """`tp`: build this rank's slice of a tensor-parallel target (models/tensor_parallel.py)."""
     where = str(folder / "config.json") if folder else "config.json"
     builder = target_builder(config, where)
     cfg = target_config(config, where)
+    if tp.active:
+        check_tensor_parallel(config, tp.size, where)
     state = None
     if not dummy:
         tensors = _read(folder, dry, device=device, dtype=dtype, quantization=quantization_of(config, where),
                         reads=builder.reads)
         state = _converted(lambda: builder.convert_state_dict(tensors, cfg), folder)
-    model = build(lambda: builder.model_cls(cfg), state, dtype=dtype, device=device, seed=seed,
-                  where=str(folder))
+        if tp.active:
+            state = _converted(lambda: builder.shard_state(state, cfg, tp), folder)
+    make = (lambda: builder.model_cls(cfg, tp)) if tp.active else (lambda: builder.model_cls(cfg))
+    model = build(make, state, dtype=dtype, device=device, seed=seed, where=str(folder))
     return model.eval().requires_grad_(False)
+
+
+def check_tensor_parallel(config: dict, size: int, where: str = "config.json") -> None:
+    """A CheckpointError unless the target's architecture splits over `size` ranks."""
+    builder = target_builder(config, where)
+    if builder.shard_state is None:
+        raise CheckpointError(f"{where}: {architecture_name(config)} has no tensor-parallel layout in specgen yet "
+                              f"(runtime.tensor_parallel_size {size}); Llama targets have one")
+    try:
+        rank_shape(builder.config_cls.from_hf(config), TensorParallel(0, size))
+    except ValueError as err:
+        raise CheckpointError(f"{where}: {err}") from None
 
 
 def load_draft(method: str, config: dict, folder: Path | None, target, *,

@@ -31,6 +31,7 @@ from specgen.models.layers import (
     rope_inv_freq,
 )
 from specgen.models.protocol import TargetBuilder, TargetShape
+from specgen.models.tensor_parallel import TensorParallel, rank_shape, reduced, shard_fused_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +115,17 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(DecoderTarget):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel = TensorParallel()) -> None:
+        """`tp`: this rank's slice of a tensor-parallel target (models/tensor_parallel.py); its
+        `config` is then the slice's (its heads, KV heads and MLP rows)."""
         super().__init__()
+        cfg = rank_shape(cfg, tp)
         self.config = cfg
         self.shape = cfg.shape()
         self.model = LlamaModel(cfg)
+        for layer in self.model.layers:
+            layer.self_attn.o_proj = reduced(layer.self_attn.o_proj, tp)
+            layer.mlp.down_proj = reduced(layer.mlp.down_proj, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, two names
@@ -148,4 +155,9 @@ def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: LlamaConfig) -> d
     return state
 
 
-ARCHITECTURE = TargetBuilder(LlamaConfig, LlamaForCausalLM, convert_hf_state_dict)
+def shard_state(state: dict[str, torch.Tensor], cfg: LlamaConfig, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """A converted state cut to rank `tp.rank`'s slice (`cfg`: the whole model's config)."""
+    return shard_fused_state(state, cfg, tp, [f"model.layers.{i}." for i in range(cfg.num_layers)])
+
+
+ARCHITECTURE = TargetBuilder(LlamaConfig, LlamaForCausalLM, convert_hf_state_dict, shard_state=shard_state)

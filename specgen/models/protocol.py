@@ -94,9 +94,13 @@ def _every_tensor(name: str) -> bool:
 class TargetBuilder:
     """How the loader builds one architecture: config class (`from_hf`, `num_parameters`, `shape`,
     `cache_bytes_per_token`), model class, the adapter from checkpoint keys to ours, and which
-    checkpoint tensors it reads at all (`reads(name)`: Kimi K2.5's vision encoder is never read)."""
+    checkpoint tensors it reads at all (`reads(name)`: Kimi K2.5's vision encoder is never read).
+    `shard_state(state, cfg, tp)`: a converted state cut to one tensor-parallel rank's slice, for the
+    model `model_cls(cfg, tp)` builds (models/tensor_parallel.py); None where the architecture has no
+    tensor-parallel layout yet."""
 
     config_cls: type
-    model_cls: Callable[[Any], torch.nn.Module]
+    model_cls: Callable[..., torch.nn.Module]
     convert_state_dict: Callable[[dict, Any], dict]
     reads: Callable[[str], bool] = _every_tensor
+    shard_state: Callable[[dict, Any, Any], dict] | None = None

@@ -1,0 +1,112 @@
+"""Tensor parallelism for the targets: which slice of each weight a rank holds, and the collective
+that joins the slices.
+
+Contract:
+- `TensorParallel(rank, size, group)`: this process's place in a tensor-parallel group (a
+  torch.distributed process group of `size` ranks). `size == 1` is no parallelism at all.
+- Layout (Megatron's, as vLLM and torch's `ColwiseParallel` / `RowwiseParallel` split a decoder):
+  rank r of N holds query heads [r H/N, (r+1) H/N), the KV heads those read (GQA groups never
+  straddle ranks), and the same share of the MLP's intermediate rows. The projections into a layer
+  (fused q|k|v, fused gate|up) are split by output rows, so each rank computes its heads and its
+  share of the MLP with no communication; the projections out (o_proj, down_proj) are split by input
+  columns, so each rank holds a partial sum, and `ReducedLinear` adds them over the group (one
+  all-reduce after attention and one after the MLP, through torch's functional collectives, which
+  torch.compile traces into the step). Embedding, norms and the LM head are replicated: every rank
+  computes the same logits from the same reduced hidden state, so every rank verifies the same
+  drafts with the same keyed noise and takes the same decisions with no further communication.
+- `rank_shape(cfg, tp)`: the config of one rank's slice (its heads, KV heads and intermediate size;
+  everything else as is), what the rank's modules, KV cache and memory estimate are built from. A
+  size that does not divide the heads, KV heads or intermediate size is a ValueError naming it.
+- `shard_fused_state(state, cfg, tp, prefixes)`: a converted (fused) state dict cut to this rank's
+  slice, in place; `parallelize(model, tp)` turns each layer's o_proj / down_proj into
+  `ReducedLinear` (same parameter names, so a sliced state loads as any other).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    group: object | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.size > 1
+
+
+class ReducedLinear(nn.Linear):
+    """A linear layer whose input features are split over the group: x W_r^T on each rank, summed
+    over the ranks (a bias, if any, is added once, after the sum)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, *, group=None,
+                 device=None, dtype=None) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed import _functional_collectives as funcol
+
+        partial = F.linear(x, self.weight)
+        total = funcol.all_reduce(partial, "sum", self.group)
+        return total if self.bias is None else total + self.bias
+
+
+def split_evenly(total: int, tp: TensorParallel, what: str) -> int:
+    if total % tp.size:
+        raise ValueError(f"runtime.tensor_parallel_size {tp.size} does not divide the target's {what} ({total})")
+    return total // tp.size
+
+
+def rank_shape(cfg, tp: TensorParallel):
+    """A Llama-style config (num_heads, num_kv_heads, intermediate_size) cut to one rank's slice."""
+    if not tp.active:
+        return cfg
+    return replace(cfg, num_heads=split_evenly(cfg.num_heads, tp, "attention heads"),
+                   num_kv_heads=split_evenly(cfg.num_kv_heads, tp, "KV heads"),
+                   intermediate_size=split_evenly(cfg.intermediate_size, tp, "intermediate size"))
+
+
+def _rows(tensor: torch.Tensor, parts: list[int], tp: TensorParallel) -> torch.Tensor:
+    """Of a tensor stacked from `parts` (row counts, e.g. q|k|v), each part's r-th of N row blocks.
+    (chunk / split / cat only: a dry load's `TensorHeader`s take the same path.)"""
+    return torch.cat([piece.chunk(tp.size, dim=0)[tp.rank] for piece in tensor.split(parts, dim=0)],
+                     dim=0).contiguous()
+
+
+def _columns(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    return tensor.chunk(tp.size, dim=1)[tp.rank].contiguous()
+
+
+def shard_fused_state(state: dict, cfg, tp: TensorParallel, prefixes: list[str]) -> dict:
+    """Cut each layer under `prefixes` (`...layers.{i}.`) to this rank's heads and MLP rows, in
+    place. `cfg` is the whole model's (heads, KV heads, head_dim, intermediate size)."""
+    if not tp.active:
+        return state
+    d = cfg.head_dim
+    qkv = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+    mlp = [cfg.intermediate_size, cfg.intermediate_size]
+    for prefix in prefixes:
+        for kind in ("weight", "bias"):
+            name = f"{prefix}self_attn.qkv_proj.{kind}"
+            if name in state:
+                state[name] = _rows(state[name], qkv, tp)
+        state[f"{prefix}self_attn.o_proj.weight"] = _columns(state[f"{prefix}self_attn.o_proj.weight"], tp)
+        state[f"{prefix}mlp.gate_up_proj.weight"] = _rows(state[f"{prefix}mlp.gate_up_proj.weight"], mlp, tp)
+        state[f"{prefix}mlp.down_proj.weight"] = _columns(state[f"{prefix}mlp.down_proj.weight"], tp)
+    return state
+
+
+def reduced(linear: nn.Linear, tp: TensorParallel) -> nn.Linear:
+    """`linear` (built for this rank's input columns) as a `ReducedLinear` over the group."""
+    if not tp.active:
+        return linear
+    return ReducedLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, group=tp.group,
+                         device=linear.weight.device, dtype=linear.weight.dtype)

@@ -1,0 +1,79 @@
+"""The block-scaled FP8 GEMM: the kernel equals its PyTorch reference, and both approach the layer
+with its weight dequantised within the activations' FP8 rounding.
+
+On CPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py); on a machine
+with CUDA every tensor is on the GPU, where the kernel compiles for real (FP8 tensor cores: compute
+capability 8.9 and up, else the test is skipped there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_device import KERNEL_DEVICE
+
+from specgen.kernels import block_fp8 as bf
+
+needs_fp8 = pytest.mark.skipif(KERNEL_DEVICE.type == "cuda" and not bf.fp8_gemm_supported(KERNEL_DEVICE),
+                               reason="this GPU has no FP8 tensor cores")
+
+
+def layer(M, N, K, block=128, seed=0, dtype=torch.float32):
+    """x [M, K] and a weight stored as DeepSeek stores it: FP8 [N, K] + a float32 scale per block."""
+    gen = torch.Generator().manual_seed(seed)
+    real = torch.randn(N, K, generator=gen) * 0.05
+    blocks = torch.nn.functional.pad(real, (0, -K % block, 0, -N % block))
+    blocks = blocks.view(-(-N // block), block, -(-K // block), block)
+    scale = blocks.abs().amax(dim=(1, 3)) / bf.FP8_MAX
+    weight = (blocks / scale[:, None, :, None]).to(bf.FP8).view(blocks.shape[0] * block, -1)[:N, :K]
+    x = (torch.randn(M, K, generator=gen) * torch.linspace(0.1, 3, K)).to(dtype)
+    return x, weight.contiguous(), scale.float()
+
+
+def test_activations_are_quantised_per_slice_of_128_within_fp8_rounding():
+    x, _, _ = layer(3, 8, 300)
+    x[1, 130:140] = 100.0                       # one large slice does not coarsen the others
+    q, scale = bf.quantize_activations(x)
+    assert q.dtype == bf.FP8 and q.shape == x.shape and scale.shape == (3, 3)
+    assert torch.allclose(scale[:, 0], x[:, :128].abs().amax(1) / 448)
+    back = q.float() * scale.repeat_interleave(128, 1)[:, :300]
+    error = (back - x).abs().view(3, -1)
+    slices = torch.nn.functional.pad(x.abs(), (0, 84)).view(3, 3, 128).amax(-1).repeat_interleave(128, 1)[:, :300]
+    assert (error <= slices / 16 + 1e-6).all()      # e4m3: 3 mantissa bits, half a step of the largest
+    assert error[1, :128].max() < 0.2               # the first slice of row 1 kept its own scale
+
+
+@needs_fp8
+@pytest.mark.parametrize("M,N,K,dtype", [
+    (1, 128, 128, torch.float32),        # one decode row, one block
+    (5, 200, 300, torch.float32),        # N and K not multiples of the block (masked lanes, edge scales)
+    (40, 256, 384, torch.bfloat16),      # more rows than a tile, bf16 activations
+])
+def test_kernel_equals_reference(M, N, K, dtype):
+    x, weight, scale = layer(M, N, K, dtype=dtype)
+    expected = bf.block_fp8_linear_reference(x, weight, scale)
+    got = bf.block_fp8_linear_triton(*(t.to(KERNEL_DEVICE) for t in (x, weight, scale))).cpu()
+    assert got.dtype == dtype and got.shape == (M, N)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol, atol=tol)
+    # the kernel reads each tile's own weight scale: scaling one block row changes only its columns
+    scale2 = scale.clone()
+    scale2[0] *= 2
+    changed = bf.block_fp8_linear_triton(*(t.to(KERNEL_DEVICE) for t in (x, weight, scale2))).cpu().float()
+    torch.testing.assert_close(changed[:, :128], 2 * got.float()[:, :128], rtol=tol, atol=tol)
+    torch.testing.assert_close(changed[:, 128:], got.float()[:, 128:], rtol=tol, atol=tol)
+
+
+def test_the_fp8_product_approaches_the_dequantised_layer():
+    x, weight, scale = layer(6, 256, 512)
+    exact = bf.dequantized_linear(x, weight, scale)
+    fp8 = bf.block_fp8_linear_reference(x, weight, scale)
+    relative = (fp8 - exact).norm() / exact.norm()
+    assert relative < 0.03                      # FP8 activations: a few percent, not more
+    assert not torch.equal(fp8, exact)          # and it is a different product, not the same one
+
+
+def test_the_op_takes_the_reference_where_there_are_no_fp8_tensor_cores():
+    x, weight, scale = layer(2, 128, 256)
+    assert not bf.fp8_gemm_supported(torch.device("cpu"))
+    torch.testing.assert_close(torch.ops.specgen.block_fp8_linear(x, weight, scale, 128),
+                               bf.block_fp8_linear_reference(x, weight, scale))
