@@ -171,6 +171,10 @@ def inspect_checkpoint(
     json_: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
     batch_size: Annotated[int, typer.Option(min=1, help="Batch size for the memory figures.")] = 1,
     max_seq_len: Annotated[int, typer.Option(min=1, help="Tokens per sequence for the memory figures.")] = 4096,
+    tensor_parallel: Annotated[int, typer.Option(min=1, help="Also give one rank's memory when N ranks split "
+                                                             "the target (runtime.tensor_parallel_size).")] = 1,
+    expert_parallel: Annotated[bool, typer.Option("--expert-parallel", help="With --tensor-parallel: whole "
+                                                  "routed experts per rank (runtime.expert_parallel).")] = False,
 ) -> None:
     """What a checkpoint holds and whether specgen can run it, from headers only (no weights read).
     Exit 0: runnable; 1: not runnable (reasons listed); 2: unreadable input."""
@@ -179,7 +183,8 @@ def inspect_checkpoint(
     from specgen.inspection.report import inspect_checkpoint as inspect
 
     try:
-        report = inspect(path, target, batch_size=batch_size, max_seq_len=max_seq_len)
+        report = inspect(path, target, batch_size=batch_size, max_seq_len=max_seq_len,
+                         tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
     except Unreadable as err:
         if json_:
             print(unreadable_json(path, err))

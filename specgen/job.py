@@ -171,13 +171,19 @@ def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
     try:
         with without_gc():
             target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device="meta",
-                                 dummy=dummy, dry=not dummy, tp=TensorParallel(0, recipe.runtime.tensor_parallel_size))
+                                 dummy=dummy, dry=not dummy, tp=planned_tensor_parallel(recipe))
             if recipe.draft.enabled and r.draft_config is not None and recipe.draft.load_format != "dummy":
                 load_draft(recipe.draft.model_method, r.draft_config, r.draft_folder, target,
                            num_speculative_tokens=recipe.draft.k_max, dtype=r.draft_dtype,
                            device="meta", dummy=r.draft_folder is None, dry=r.draft_folder is not None)
     except (CheckpointError, ValueError) as err:
         raise InputError(str(err)) from err
+
+
+def planned_tensor_parallel(recipe: Recipe) -> TensorParallel:
+    """The split a recipe asks for, without a group: for dry loads and memory estimates (rank 0's
+    slice: every rank's is the same size)."""
+    return TensorParallel(0, recipe.runtime.tensor_parallel_size, None, recipe.runtime.expert_parallel)
 
 
 def check_output(path: Path) -> None:
@@ -241,8 +247,7 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     # a tensor-parallel rank holds its slice of the target (its heads, KV heads, MLP rows) and its
     # cache; the draft, the embedding and the LM head are whole on every rank
     cfg = target_config(r.target_config)
-    tp = TensorParallel(0, recipe.runtime.tensor_parallel_size)
-    shard = rank_shape(cfg, tp) if tp.active else cfg
+    shard = rank_shape(cfg, planned_tensor_parallel(recipe))
     item = torch.empty((), dtype=r.dtype).element_size()
     b, k, dcfg = recipe.runtime.batch_size, 0, None
     if recipe.draft.has_model:
@@ -605,7 +610,7 @@ def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = 
     r = resolve(recipe)
     memory = check_memory(recipe, r)
     joined_here = world.distributed and world.host_group is None
-    world.start(r.device, recipe.runtime.tensor_parallel_size)
+    world.start(r.device, recipe.runtime.tensor_parallel_size, recipe.runtime.expert_parallel)
     try:
         return _run_shard(recipe, r, world, records, out_path, memory, resume, started,
                           on_start, on_progress, on_status)

@@ -161,6 +161,7 @@ class RuntimeSpec:
     compile: bool | None = None  # None = auto: on CUDA; on CPU when the job is long enough to pay back
     threads: int | None = None  # None = auto: the CPUs not busy with other work
     tensor_parallel_size: int = 1  # ranks (of a torchrun job) that split the target's layers between them
+    expert_parallel: bool = False  # MoE targets: those ranks hold whole routed experts (else each expert's rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -492,7 +493,7 @@ LOGPROBS_MAX_TOP = 20                   # vLLM's default cap on top logprobs
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed", "max_tokens", "stop", "ignore_eos",
              "relaxed_acceptance", "logprobs", "logprobs_mode", "prompt_logprobs", "response_format")
 _RELAXED = ("top_k", "delta")
-_RUNTIME = ("device", "batch_size", "max_seq_len", "compile", "threads", "tensor_parallel_size")
+_RUNTIME = ("device", "batch_size", "max_seq_len", "compile", "threads", "tensor_parallel_size", "expert_parallel")
 
 
 def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Recipe:
@@ -582,7 +583,11 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         compile=check.get(r, "runtime.compile", _auto_or(_switch), None),
         threads=check.get(r, "runtime.threads", _auto_or(_integer(1)), None),
         tensor_parallel_size=check.get(r, "runtime.tensor_parallel_size", _integer(1), 1),
+        expert_parallel=check.get(r, "runtime.expert_parallel", _boolean, False),
     )
+    if runtime.expert_parallel and runtime.tensor_parallel_size < 2:
+        check.problems.append(("runtime.expert_parallel", "spreads routed experts over the tensor-parallel ranks: "
+                                                          "set runtime.tensor_parallel_size >= 2 too"))
 
     train = _train_spec(check, data, method, draft_model)
 

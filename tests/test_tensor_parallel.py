@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
+from checkpoints_deepseek import tiny_deepseek_config, tiny_kimi_config, write_deepseek_checkpoint, write_kimi_checkpoint
 from checkpoints_dflash import tiny_dflash_config, write_dflash_checkpoint
 
 from specgen.checkpoints.loading import load_target
@@ -64,15 +65,26 @@ def test_the_slices_of_a_state_put_back_together_are_the_state(llama):
     assert rank_shape(whole.config, TensorParallel(1, 2)).num_kv_heads == kv // 2
 
 
-def test_each_rank_computes_the_single_process_logits(llama, tmp_path):
-    _, _, folder = llama
+@pytest.fixture(scope="module")
+def targets(llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-targets")
+    return {"llama": llama[2],
+            # MLA heads, a dense layer, then MoE layers (8 experts, a shared one); FP8 weights
+            "deepseek-v3": write_deepseek_checkpoint(root / "deepseek", tiny_deepseek_config(fp8=True)),
+            "kimi-k2.5": write_kimi_checkpoint(root / "kimi", tiny_kimi_config())}
+
+
+@pytest.mark.parametrize(("target", "mode"), [("llama", "tp"), ("deepseek-v3", "tp"), ("deepseek-v3", "ep"),
+                                              ("kimi-k2.5", "tp"), ("kimi-k2.5", "ep")])
+def test_each_rank_computes_the_single_process_logits(targets, target, mode, tmp_path):
+    folder = targets[target]
     run([sys.executable, str(TESTS / "tp_worker.py"), str(folder), str(tmp_path), "single"])
-    run([*TORCHRUN, str(TESTS / "tp_worker.py"), str(folder), str(tmp_path)])
+    run([*TORCHRUN, str(TESTS / "tp_worker.py"), str(folder), str(tmp_path), mode])
     single = torch.load(tmp_path / "single.pt")
     ranks = [torch.load(tmp_path / f"rank-{r}.pt") for r in range(2)]
     assert torch.equal(ranks[0], ranks[1])       # every rank verifies the same logits
     torch.testing.assert_close(ranks[0], single, rtol=1e-5, atol=1e-5)
-    assert not torch.equal(ranks[0], torch.zeros_like(single))
+    assert single.std() > 0.1
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +99,20 @@ def job(llama):
     return root, target, drafts, prompts
 
 
-def tp_run(job, name, *, method="none", k=2, sampled=False, launcher=TORCHRUN, tp=2, expect=0):
+def tp_run(job, name, *, method="none", k=2, sampled=False, launcher=TORCHRUN, tp=2, expect=0,
+           expert_parallel=False):
     root, target, drafts, prompts = job
+    draft = {"method": method}
+    if method != "none":
+        draft["num_speculative_tokens"] = k
+        if drafts.get(method) is not None:
+            draft["model"] = str(drafts[method])
     recipe = {"target": {"model": str(target)},
-              "draft": {"method": method, **({"model": str(drafts[method]), "num_speculative_tokens": k}
-                                             if method != "none" else {})},
+              "draft": draft,
               "sampling": {"max_tokens": 12, "seed": 3, "ignore_eos": True,
                            **({"temperature": 0.9, "top_p": 0.95} if sampled else {})},
               "runtime": {"device": "cpu", "batch_size": 3, "max_seq_len": 128, "threads": 1, "compile": False,
-                          "tensor_parallel_size": tp},
+                          "tensor_parallel_size": tp, "expert_parallel": expert_parallel},
               "chat_template": False}
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -125,3 +142,50 @@ def test_a_split_the_target_or_the_launch_cannot_take_is_a_clear_error(job):
     assert "recipe.runtime.tensor_parallel_size: 2 ranks hold one copy" in said and "torchrun" in said
     said = tp_run(job, "three-ways", launcher=[*TORCHRUN[:-1], "3"], tp=3, expect=1)
     assert "does not divide the target's attention heads (4)" in said
+
+
+@pytest.fixture(scope="module")
+def deepseek_job(job, tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-deepseek")
+    # byte-tokenised prompts need ids up to 258; the MTP layer lives in the target's checkpoint
+    target = write_deepseek_checkpoint(root / "deepseek", tiny_deepseek_config(vocab_size=300, fp8=True))
+    return root, target, {"mtp": None}, job[3]
+
+
+@pytest.mark.parametrize(("expert_parallel", "sampled"), [(False, False), (True, False), (True, True)],
+                         ids=["tp-greedy", "ep-greedy", "ep-seeded-sampled"])
+def test_mtp_on_a_split_deepseek_target_is_lossless(deepseek_job, expert_parallel, sampled):
+    name = f"{'ep' if expert_parallel else 'tp'}-{sampled}"
+    plain, said = tp_run(deepseek_job, f"plain-{name}", sampled=sampled, expert_parallel=expert_parallel)
+    assert "split over 2 tensor-parallel ranks" in said
+    spec, _ = tp_run(deepseek_job, f"mtp-{name}", method="mtp", k=2, sampled=sampled,
+                     expert_parallel=expert_parallel)
+    assert {i: r["token_ids"] for i, r in spec.items()} == {i: r["token_ids"] for i, r in plain.items()}
+    assert sum(r["spec"]["num_drafts"] for r in spec.values()) > 0
+
+
+def test_inspect_and_the_memory_check_count_one_ranks_share(targets):
+    from specgen.inspection.report import inspect_checkpoint
+
+    whole = inspect_checkpoint(str(targets["deepseek-v3"]), tensor_parallel=1)
+    split = inspect_checkpoint(str(targets["deepseek-v3"]), tensor_parallel=2, expert_parallel=True)
+    rank = split.memory["per_rank"]
+    assert "per_rank" not in whole.memory and split.runnable
+    # the embedding, head and router are whole on every rank: more than half, less than all
+    assert whole.memory["weights_bytes"] / 2 < rank["weights_bytes"] < whole.memory["weights_bytes"]
+    assert rank["kv_cache_bytes"] == whole.memory["kv_cache_bytes"]          # the latent cache is whole
+    llama = inspect_checkpoint(str(targets["llama"]), tensor_parallel=2)
+    assert llama.memory["per_rank"]["kv_cache_bytes"] * 2 == llama.memory["kv_cache_bytes"]
+    three = inspect_checkpoint(str(targets["llama"]), tensor_parallel=3)
+    assert not three.runnable and any("does not divide the target's attention heads (4)" in p for p in three.problems)
+
+    from specgen.job import Resolved, estimate_bytes
+    from specgen.recipe import recipe_from_dict
+
+    config = read_config(targets["llama"])
+    plan = {"target": {"model": "m"}, "runtime": {"batch_size": 4, "max_seq_len": 256}}
+    one, two = (estimate_bytes(recipe_from_dict(dict(plan, runtime=dict(plan["runtime"], tensor_parallel_size=n))),
+                               Resolved(torch.device("cpu"), torch.float32, None, config, None, None, torch.float32))
+                for n in (1, 2))
+    assert two["target KV cache"] * 2 == one["target KV cache"]
+    assert one["target weights"] / 2 < two["target weights"] < one["target weights"]

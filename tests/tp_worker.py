@@ -1,8 +1,9 @@
 """A tensor-parallel rank for tests/test_tensor_parallel.py, started by torchrun (spawned ranks).
 
-`tp_worker.py CHECKPOINT OUT_FOLDER`: every rank loads its slice of the target, runs one prefill
-and one decode step of 3 tokens per row over a fixed batch, and writes the float32 logits it
-computed to OUT_FOLDER/rank-<r>.pt (every rank holds the whole logits: they must all agree).
+`tp_worker.py CHECKPOINT OUT_FOLDER [single | ep]`: every rank loads its slice of the target (with
+`ep`, whole routed experts per rank), runs one prefill and one decode step of 3 tokens per row over
+a fixed batch, and writes the float32 logits it computed to OUT_FOLDER/rank-<r>.pt (every rank holds
+the whole logits: they must all agree); `single` runs the whole target in this one process instead.
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ def main() -> None:
     folder, out = Path(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(1)
     config = read_config(folder)
-    if len(sys.argv) > 3 and sys.argv[3] == "single":
+    mode = sys.argv[3] if len(sys.argv) > 3 else "tp"
+    if mode == "single":
         model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False)
         torch.save(forward_twice(model, model.vocab_size), out / "single.pt")
         return
     dist.init_process_group("gloo")
-    tp = TensorParallel(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+    tp = TensorParallel(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, expert_parallel=mode == "ep")
     model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False, tp=tp)
     torch.save(forward_twice(model, model.vocab_size), out / f"rank-{tp.rank}.pt")
     dist.destroy_process_group()

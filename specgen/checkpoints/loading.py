@@ -74,7 +74,7 @@ def check_tensor_parallel(config: dict, size: int, where: str = "config.json") -
     builder = target_builder(config, where)
     if builder.shard_state is None:
         raise CheckpointError(f"{where}: {architecture_name(config)} has no tensor-parallel layout in specgen yet "
-                              f"(runtime.tensor_parallel_size {size}); Llama targets have one")
+                              f"(runtime.tensor_parallel_size {size}); Llama, DeepSeek-V3 and Kimi K2.5 targets have one")
     try:
         rank_shape(builder.config_cls.from_hf(config), TensorParallel(0, size))
     except ValueError as err:

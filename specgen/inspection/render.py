@@ -67,6 +67,13 @@ def _parts(report: Inspection) -> list:
         if "full_kv_bytes_per_token" in m:
             memory["  (uncompressed K/V would be)"] = human_bytes(m["full_kv_bytes_per_token"])
         memory[f"KV cache, batch {m['batch_size']} x {m['max_seq_len']} tokens"] = human_bytes(m["kv_cache_bytes"])
+        rank = m.get("per_rank")
+        if rank:
+            split = f"{rank['tensor_parallel_size']} tensor-parallel ranks" + (
+                ", experts whole" if rank["expert_parallel"] else "")
+            memory[f"each of {split}: weights"] = human_bytes(rank["weights_bytes"])
+            memory["  KV cache per token"] = human_bytes(rank["kv_cache_bytes_per_token"])
+            memory[f"  KV cache, batch {m['batch_size']} x {m['max_seq_len']} tokens"] = human_bytes(rank["kv_cache_bytes"])
         parts.append(_pairs("memory to run", memory))
     if report.compatibility is not None:
         table = Table(title=f"with target {report.target}", title_justify="left", box=None)

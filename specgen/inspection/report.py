@@ -21,6 +21,7 @@ import torch
 
 from specgen.checkpoints.headers import DTYPE_NAMES, TensorHeader, checkpoint_headers, without_gc
 from specgen.checkpoints.loading import draft_tensor_names, load_draft, load_target, target_config
+from specgen.models.tensor_parallel import TensorParallel, rank_shape
 from specgen.checkpoints.quantized import INT4_PACKED, quantization_of
 from specgen.checkpoints.store import CheckpointError, converted_folder, read_config, weight_files
 from specgen.checkpoints.tokenizer import TOKENIZER_FILES
@@ -66,25 +67,29 @@ class Inspection:
 
 
 def inspect_checkpoint(given: str, target: str | None = None, *, batch_size: int = 1,
-                       max_seq_len: int = 4096) -> Inspection:
+                       max_seq_len: int = 4096, tensor_parallel: int = 1,
+                       expert_parallel: bool = False) -> Inspection:
+    """`tensor_parallel` N > 1: the memory figures of one of N ranks that split the target
+    (models/tensor_parallel.py; `expert_parallel`: whole routed experts per rank), beside the whole."""
     with without_gc():
-        return _inspect(given, target, batch_size, max_seq_len)
+        return _inspect(given, target, batch_size, max_seq_len,
+                        TensorParallel(0, tensor_parallel, None, expert_parallel))
 
 
-def _inspect(given: str, target: str | None, batch_size: int, max_seq_len: int) -> Inspection:
+def _inspect(given: str, target: str | None, batch_size: int, max_seq_len: int, tp: TensorParallel) -> Inspection:
     started = time.perf_counter()
     located = locate(given)
     converted = converted_folder(given, located.gguf) if located.gguf is not None else None
     if converted is not None and (converted / "config.json").is_file() and weight_files(converted):
         # a GGUF file runs from its conversion: inspect that (headers, not GGUF metadata: faster)
-        report = _inspect_folder(Located(given, converted, None), target, batch_size, max_seq_len)
+        report = _inspect_folder(Located(given, converted, None), target, batch_size, max_seq_len, tp)
         report.layout["converted from"] = str(located.gguf)
     elif located.gguf is not None:
         if target is not None:
             raise Unreadable(f"{given}: a GGUF file is not a draft (--target applies to drafts)")
-        report = _inspect_gguf(located, batch_size, max_seq_len)
+        report = _inspect_gguf(located, batch_size, max_seq_len, tp)
     else:
-        report = _inspect_folder(located, target, batch_size, max_seq_len)
+        report = _inspect_folder(located, target, batch_size, max_seq_len, tp)
     report.seconds = time.perf_counter() - started
     return report
 
@@ -101,7 +106,8 @@ class _Target:
     folder: Path
 
 
-def _inspect_folder(located: Located, target: str | None, batch_size: int, max_seq_len: int) -> Inspection:
+def _inspect_folder(located: Located, target: str | None, batch_size: int, max_seq_len: int,
+                    tp: TensorParallel) -> Inspection:
     folder = located.folder
     config = _config(folder)
     headers = _headers(folder)
@@ -113,7 +119,7 @@ def _inspect_folder(located: Located, target: str | None, batch_size: int, max_s
     if method is None:
         if target is not None:
             report.problems.append(f"--target {target}: {folder} is itself a target, not a draft")
-        _inspect_target(report, config, folder, headers, batch_size, max_seq_len)
+        _inspect_target(report, config, folder, headers, batch_size, max_seq_len, tp)
     else:
         _inspect_draft(report, config, folder, target, batch_size, max_seq_len)
     return report
@@ -146,7 +152,7 @@ def _headers(folder: Path) -> dict[str, TensorHeader]:
 
 
 def _inspect_target(report: Inspection, config: dict, folder: Path, headers: dict, batch_size: int,
-                    max_seq_len: int) -> None:
+                    max_seq_len: int, tp: TensorParallel) -> None:
     if report.architecture not in TARGET_ARCHITECTURES:
         report.role = "unsupported"
         report.problems.append(f"architecture {report.architecture} is not supported "
@@ -163,7 +169,7 @@ def _inspect_target(report: Inspection, config: dict, folder: Path, headers: dic
         report.fields["mtp layer"] = prefix + "*"
         if target.model is not None:
             _dry_draft(report.problems, "mtp", config, folder, target, label="MTP layer: ")
-    report.memory = _target_memory(target.cfg, batch_size, max_seq_len)
+    report.memory = _target_memory(target.cfg, batch_size, max_seq_len, tp, report.problems)
 
 
 def _dry_target(problems: list[str], config: dict, folder: Path) -> _Target | None:
@@ -218,7 +224,9 @@ def _target_fields(cfg) -> dict:
     return fields
 
 
-def _target_memory(cfg, batch_size: int, max_seq_len: int) -> dict:
+def _target_memory(cfg, batch_size: int, max_seq_len: int, tp: TensorParallel, problems: list[str]) -> dict:
+    """Weights and cache in bf16; with tensor parallelism, one rank's share too (`per_rank`), or a
+    problem saying why the target does not split that way."""
     per_token = cfg.cache_bytes_per_token(RUN_DTYPE)
     memory = {"dtype": "bfloat16", "weights_bytes": cfg.num_parameters() * RUN_DTYPE.itemsize,
               "kv_cache_bytes_per_token": per_token, "batch_size": batch_size, "max_seq_len": max_seq_len,
@@ -226,6 +234,17 @@ def _target_memory(cfg, batch_size: int, max_seq_len: int) -> dict:
     full = getattr(cfg, "full_kv_bytes_per_token", None)
     if full is not None:
         memory["full_kv_bytes_per_token"] = full(RUN_DTYPE)   # what uncompressed K/V would take
+    if tp.active:
+        try:
+            rank = rank_shape(cfg, tp)
+        except ValueError as err:
+            problems.append(str(err))
+            return memory
+        rank_token = rank.cache_bytes_per_token(RUN_DTYPE)
+        memory["per_rank"] = {"tensor_parallel_size": tp.size, "expert_parallel": tp.expert_parallel,
+                              "weights_bytes": rank.num_parameters() * RUN_DTYPE.itemsize,
+                              "kv_cache_bytes_per_token": rank_token,
+                              "kv_cache_bytes": rank_token * batch_size * max_seq_len}
     return memory
 
 
@@ -440,7 +459,7 @@ def _by_dtype(headers: dict[str, TensorHeader]) -> dict:
 # ------------------------------------------------------------------------------------------- GGUF
 
 
-def _inspect_gguf(located: Located, batch_size: int, max_seq_len: int) -> Inspection:
+def _inspect_gguf(located: Located, batch_size: int, max_seq_len: int, tp: TensorParallel) -> Inspection:
     """GGUF metadata (no tensor data): the config transformers derives from it, and the tensor types.
     Slower than a folder (a few seconds: the metadata holds the whole vocabulary, read twice); once
     `specgen run` has converted the file, its conversion is inspected instead."""
@@ -475,5 +494,5 @@ def _inspect_gguf(located: Located, batch_size: int, max_seq_len: int) -> Inspec
         return report
     report.architecture = architecture_name(config)
     report.fields = _target_fields(cfg)
-    report.memory = _target_memory(cfg, batch_size, max_seq_len)
+    report.memory = _target_memory(cfg, batch_size, max_seq_len, tp, report.problems)
     return report

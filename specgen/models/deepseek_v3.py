@@ -17,7 +17,7 @@ weights are dequantised before they get here (checkpoints/quantized.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -36,6 +36,7 @@ from specgen.models.layers import (
 from specgen.models.mla import LatentAttention, LatentCache, MlaDims
 from specgen.models.moe import MoE, MoeConfig, stack_expert_keys
 from specgen.models.protocol import TargetBuilder, TargetShape
+from specgen.models.tensor_parallel import TensorParallel, block, rank_shape, reduced, rows, shard_gated_mlp, split_evenly
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +80,20 @@ class DeepseekV3Config:
     def num_heads(self) -> int:
         return self.mla.num_heads
 
+    def sharded(self, tp: TensorParallel) -> DeepseekV3Config:
+        """One tensor-parallel rank's slice (models/tensor_parallel.py): its MLA heads, dense MLP
+        rows, and its routed experts or their rows; the shared experts' rows."""
+        m = self.moe
+        split_evenly(m.moe_intermediate_size * m.n_shared_experts, tp, "shared experts' intermediate size")
+        if tp.expert_parallel:
+            first = split_evenly(m.n_routed_experts, tp, "routed experts") * tp.rank
+        else:
+            first = 0
+            split_evenly(m.moe_intermediate_size, tp, "expert intermediate size")
+        return replace(self, mla=replace(self.mla, num_heads=split_evenly(self.mla.num_heads, tp, "attention heads")),
+                       intermediate_size=split_evenly(self.intermediate_size, tp, "intermediate size"),
+                       moe=replace(m, shards=tp.size, expert_parallel=tp.expert_parallel, first_expert=first))
+
     def is_moe(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
@@ -112,13 +127,21 @@ class DeepseekV3Config:
 
 
 class DeepseekV3DecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config, layer: int, in_dim: int | None = None) -> None:
+    def __init__(self, cfg: DeepseekV3Config, layer: int, in_dim: int | None = None,
+                 tp: TensorParallel = TensorParallel()) -> None:
+        """`cfg`: this rank's slice under tensor parallelism (`tp`), whose partial sums the layer
+        adds over `tp.group` after attention and after its MLP or MoE."""
         super().__init__()
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = LatentAttention(in_dim or h, h, cfg.mla, cfg.attention_bias)
+        self.self_attn.o_proj = reduced(self.self_attn.o_proj, tp)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = MoE(cfg.moe) if cfg.is_moe(layer) else GatedMLP(h, cfg.intermediate_size)
+        if cfg.is_moe(layer):
+            self.mlp = MoE(cfg.moe, group=tp.group if tp.active else None)
+        else:
+            self.mlp = GatedMLP(h, cfg.intermediate_size)
+            self.mlp.down_proj = reduced(self.mlp.down_proj, tp)
 
     def forward(self, h, cos, sin, cache, layer, batch: AttentionBatch):
         return self.residual(h, cos, sin, cached(cache, layer, batch))
@@ -130,19 +153,21 @@ class DeepseekV3DecoderLayer(nn.Module):
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, tp: TensorParallel = TensorParallel()) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DeepseekV3DecoderLayer(cfg, i, tp=tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DeepseekV3ForCausalLM(DecoderTarget):
-    def __init__(self, cfg: DeepseekV3Config) -> None:
+    def __init__(self, cfg: DeepseekV3Config, tp: TensorParallel = TensorParallel()) -> None:
+        """`tp`: this rank's slice of a tensor-parallel target; its `config` is then the slice's."""
         super().__init__()
+        cfg = rank_shape(cfg, tp)
         self.config = cfg
         self.shape = cfg.shape()
-        self.model = DeepseekV3Model(cfg)
+        self.model = DeepseekV3Model(cfg, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -177,4 +202,27 @@ def convert_hf_state_dict(state: dict[str, torch.Tensor], cfg: DeepseekV3Config)
     return state
 
 
-ARCHITECTURE = TargetBuilder(DeepseekV3Config, DeepseekV3ForCausalLM, convert_hf_state_dict)
+def shard_state(state: dict[str, torch.Tensor], cfg: DeepseekV3Config, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """A converted state cut to rank `tp.rank`'s slice, in place (`cfg`: the whole model's)."""
+    m = cfg.moe
+    for i in range(cfg.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for name in ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight"):   # rows grouped by head
+            if attn + name in state:
+                state[attn + name] = block(state[attn + name], tp, dim=0)
+        state[attn + "o_proj.weight"] = block(state[attn + "o_proj.weight"], tp, dim=1)
+        if not cfg.is_moe(i):
+            shard_gated_mlp(state, mlp, cfg.intermediate_size, tp)
+            continue
+        gate_up, down = mlp + "experts.gate_up_proj", mlp + "experts.down_proj"
+        if tp.expert_parallel:
+            state[gate_up], state[down] = block(state[gate_up], tp, dim=0), block(state[down], tp, dim=0)
+        else:   # [E, 2I, H] and [E, H, I]: each expert's gate and up rows, and its down columns
+            state[gate_up] = rows(state[gate_up], [m.moe_intermediate_size] * 2, tp, dim=1)
+            state[down] = block(state[down], tp, dim=2)
+        if m.n_shared_experts:
+            shard_gated_mlp(state, mlp + "shared_experts.", m.moe_intermediate_size * m.n_shared_experts, tp)
+    return state
+
+
+ARCHITECTURE = TargetBuilder(DeepseekV3Config, DeepseekV3ForCausalLM, convert_hf_state_dict, shard_state=shard_state)

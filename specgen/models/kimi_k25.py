@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specgen.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, convert_hf_state_dict
+from specgen.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, convert_hf_state_dict, shard_state
 from specgen.models.protocol import TargetBuilder
 
 TEXT_PREFIX = "language_model."
@@ -48,4 +48,5 @@ def is_text_weight(name: str) -> bool:
     return name.startswith(TEXT_PREFIX)
 
 
-ARCHITECTURE = TargetBuilder(KimiK25Config, DeepseekV3ForCausalLM, convert_kimi_state_dict, is_text_weight)
+ARCHITECTURE = TargetBuilder(KimiK25Config, DeepseekV3ForCausalLM, convert_kimi_state_dict, is_text_weight,
+                             shard_state=shard_state)

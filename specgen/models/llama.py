@@ -31,7 +31,7 @@ from specgen.models.layers import (
     rope_inv_freq,
 )
 from specgen.models.protocol import TargetBuilder, TargetShape
-from specgen.models.tensor_parallel import TensorParallel, rank_shape, reduced, shard_fused_state
+from specgen.models.tensor_parallel import TensorParallel, llama_sharded, rank_shape, reduced, shard_fused_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +82,10 @@ class LlamaConfig:
 
     def cache_bytes_per_token(self, dtype: torch.dtype) -> int:
         return KVCache.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype)
+
+    def sharded(self, tp: TensorParallel) -> LlamaConfig:
+        """One tensor-parallel rank's slice (models/tensor_parallel.py)."""
+        return llama_sharded(self, tp)
 
     def shape(self) -> TargetShape:
         return TargetShape(self.num_layers, self.hidden_size, self.intermediate_size, self.num_heads,

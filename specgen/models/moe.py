@@ -40,6 +40,12 @@ class MoeConfig:
     routed_scaling_factor: float
     scoring_func: str = "sigmoid"
     topk_method: str = "noaux_tc"
+    # one tensor-parallel rank's slice (models/tensor_parallel.py): `shards` ranks split each routed
+    # expert's rows and the shared experts' rows, or with `expert_parallel` hold whole routed experts,
+    # E / shards of them from `first_expert` on. The router always scores all E.
+    shards: int = 1
+    expert_parallel: bool = False
+    first_expert: int = 0
 
     @classmethod
     def from_hf(cls, config: dict) -> MoeConfig:
@@ -69,11 +75,27 @@ class MoeConfig:
             raise ValueError(f"num_experts_per_tok {cfg.num_experts_per_tok} exceeds n_routed_experts")
         return cfg
 
+    @property
+    def local_experts(self) -> int:
+        """Routed experts this rank holds."""
+        return self.n_routed_experts // self.shards if self.expert_parallel else self.n_routed_experts
+
+    @property
+    def local_intermediate(self) -> int:
+        """Rows of each routed expert this rank holds."""
+        return self.moe_intermediate_size if self.expert_parallel else self.moe_intermediate_size // self.shards
+
+    @property
+    def shared_intermediate(self) -> int:
+        """Rows of the shared experts (one gated MLP) this rank holds."""
+        return self.moe_intermediate_size * self.n_shared_experts // self.shards
+
     def parameters(self) -> int:
-        """All parameters of one MoE block (every expert; the estimate of memory, not of work)."""
-        h, i = self.hidden_size, self.moe_intermediate_size
-        return (self.n_routed_experts * (h + 1) + 3 * h * i * self.n_routed_experts
-                + 3 * h * i * self.n_shared_experts)
+        """All parameters of one MoE block on one rank (every expert it holds; the estimate of
+        memory, not of work)."""
+        h = self.hidden_size
+        return (self.n_routed_experts * (h + 1) + 3 * h * self.local_intermediate * self.local_experts
+                + 3 * h * self.shared_intermediate)
 
 
 class Router(nn.Module):
@@ -108,12 +130,20 @@ class Router(nn.Module):
 class RoutedExperts(nn.Module):
     def __init__(self, cfg: MoeConfig) -> None:
         super().__init__()
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        e, h, i = cfg.local_experts, cfg.hidden_size, cfg.local_intermediate
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
+        self.first_expert = cfg.first_expert if cfg.expert_parallel else None
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         # x: [N, H]; weights, experts: [N, k] -> [N, H]
+        if self.first_expert is not None:
+            # expert parallel: pairs routed to another rank's experts weigh 0 here (computed through
+            # an expert of this rank, so the shapes stay those of the routing, never of its data)
+            local = experts - self.first_expert
+            mine = (local >= 0) & (local < self.gate_up_proj.shape[0])
+            experts = local.clamp(0, self.gate_up_proj.shape[0] - 1)
+            weights = weights * mine
         if x.dtype == torch.bfloat16:
             return self._grouped(x, weights, experts)
         return self._gathered(x, weights, experts)
@@ -144,12 +174,16 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: MoeConfig) -> None:
+    """`group`: the tensor-parallel group whose ranks hold the other slices (None: the whole block
+    here); this rank's routed and shared partial sums are added over it in one all-reduce."""
+
+    def __init__(self, cfg: MoeConfig, group=None) -> None:
         super().__init__()
         self.gate = Router(cfg)
         self.experts = RoutedExperts(cfg)
-        self.shared_experts = (GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        self.shared_experts = (GatedMLP(cfg.hidden_size, cfg.shared_intermediate)
                                if cfg.n_shared_experts else None)
+        self.group = group
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # h: [B, T, H] -> [B, T, H]
@@ -158,6 +192,10 @@ class MoE(nn.Module):
         out = self.experts(flat, weights, experts).view_as(h)
         if self.shared_experts is not None:
             out = out + self.shared_experts(h)
+        if self.group is not None:
+            from torch.distributed import _functional_collectives as funcol
+
+            out = funcol.all_reduce(out, "sum", self.group)
         return out
 
 

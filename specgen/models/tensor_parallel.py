@@ -14,11 +14,17 @@ Contract:
   torch.compile traces into the step). Embedding, norms and the LM head are replicated: every rank
   computes the same logits from the same reduced hidden state, so every rank verifies the same
   drafts with the same keyed noise and takes the same decisions with no further communication.
-- `rank_shape(cfg, tp)`: the config of one rank's slice (its heads, KV heads and intermediate size;
-  everything else as is), what the rank's modules, KV cache and memory estimate are built from. A
-  size that does not divide the heads, KV heads or intermediate size is a ValueError naming it.
-- `shard_fused_state(state, cfg, tp, prefixes)`: a converted (fused) state dict cut to this rank's
-  slice, in place; `parallelize(model, tp)` turns each layer's o_proj / down_proj into
+- MoE (DeepSeek-V3, Kimi K2.5): the router is replicated; each routed expert's rows are split like
+  the MLP's, or with `expert_parallel` each rank holds whole experts (E/N of them, in rank order)
+  and a pair routed elsewhere adds nothing on this rank; the shared experts are split like the MLP.
+  The routed and shared partial sums meet in one all-reduce. MLA (models/mla.py) splits its heads
+  (q_proj / q_b_proj and kv_b_proj rows, o_proj columns); the latent cache is whole on every rank
+  (every rank projects the same latents), as vLLM keeps it.
+- `rank_shape(cfg, tp)`: the config of one rank's slice (the config class's `sharded(tp)`: its heads,
+  KV heads, intermediate sizes, experts; everything else as is), what the rank's modules, cache and
+  memory estimate are built from. A size that does not divide them is a ValueError naming it.
+- `shard_fused_state(state, cfg, tp, prefixes)`: a converted (fused) Llama state cut to this rank's
+  slice, in place (models/deepseek_v3.py has its own); `reduced(linear, tp)` is a layer's
   `ReducedLinear` (same parameter names, so a sliced state loads as any other).
 """
 
@@ -36,6 +42,7 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: object | None = None
+    expert_parallel: bool = False   # MoE: whole routed experts per rank (else each expert's rows split)
 
     @property
     def active(self) -> bool:
@@ -66,23 +73,33 @@ def split_evenly(total: int, tp: TensorParallel, what: str) -> int:
 
 
 def rank_shape(cfg, tp: TensorParallel):
+    """A target's config cut to one rank's slice (the config class's `sharded(tp)`)."""
+    return cfg.sharded(tp) if tp.active else cfg
+
+
+def llama_sharded(cfg, tp: TensorParallel):
     """A Llama-style config (num_heads, num_kv_heads, intermediate_size) cut to one rank's slice."""
-    if not tp.active:
-        return cfg
     return replace(cfg, num_heads=split_evenly(cfg.num_heads, tp, "attention heads"),
                    num_kv_heads=split_evenly(cfg.num_kv_heads, tp, "KV heads"),
                    intermediate_size=split_evenly(cfg.intermediate_size, tp, "intermediate size"))
 
 
-def _rows(tensor: torch.Tensor, parts: list[int], tp: TensorParallel) -> torch.Tensor:
-    """Of a tensor stacked from `parts` (row counts, e.g. q|k|v), each part's r-th of N row blocks.
-    (chunk / split / cat only: a dry load's `TensorHeader`s take the same path.)"""
-    return torch.cat([piece.chunk(tp.size, dim=0)[tp.rank] for piece in tensor.split(parts, dim=0)],
-                     dim=0).contiguous()
+def rows(tensor: torch.Tensor, parts: list[int], tp: TensorParallel, dim: int = 0) -> torch.Tensor:
+    """Of a tensor stacked along `dim` from `parts` (e.g. q|k|v, gate|up), each part's r-th of N
+    blocks. (chunk / split / cat only: a dry load's `TensorHeader`s take the same path.)"""
+    return torch.cat([piece.chunk(tp.size, dim=dim)[tp.rank] for piece in tensor.split(parts, dim=dim)],
+                     dim=dim).contiguous()
 
 
-def _columns(tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
-    return tensor.chunk(tp.size, dim=1)[tp.rank].contiguous()
+def block(tensor: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
+    """The r-th of N equal blocks of a tensor along `dim`."""
+    return tensor.chunk(tp.size, dim=dim)[tp.rank].contiguous()
+
+
+def shard_gated_mlp(state: dict, prefix: str, intermediate: int, tp: TensorParallel) -> None:
+    """A fused gated MLP under `prefix` (`gate_up_proj` rows, `down_proj` columns), in place."""
+    state[f"{prefix}gate_up_proj.weight"] = rows(state[f"{prefix}gate_up_proj.weight"], [intermediate] * 2, tp)
+    state[f"{prefix}down_proj.weight"] = block(state[f"{prefix}down_proj.weight"], tp, dim=1)
 
 
 def shard_fused_state(state: dict, cfg, tp: TensorParallel, prefixes: list[str]) -> dict:
@@ -92,15 +109,13 @@ def shard_fused_state(state: dict, cfg, tp: TensorParallel, prefixes: list[str])
         return state
     d = cfg.head_dim
     qkv = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
-    mlp = [cfg.intermediate_size, cfg.intermediate_size]
     for prefix in prefixes:
         for kind in ("weight", "bias"):
             name = f"{prefix}self_attn.qkv_proj.{kind}"
             if name in state:
-                state[name] = _rows(state[name], qkv, tp)
-        state[f"{prefix}self_attn.o_proj.weight"] = _columns(state[f"{prefix}self_attn.o_proj.weight"], tp)
-        state[f"{prefix}mlp.gate_up_proj.weight"] = _rows(state[f"{prefix}mlp.gate_up_proj.weight"], mlp, tp)
-        state[f"{prefix}mlp.down_proj.weight"] = _columns(state[f"{prefix}mlp.down_proj.weight"], tp)
+                state[name] = rows(state[name], qkv, tp)
+        state[f"{prefix}self_attn.o_proj.weight"] = block(state[f"{prefix}self_attn.o_proj.weight"], tp, dim=1)
+        shard_gated_mlp(state, f"{prefix}mlp.", cfg.intermediate_size, tp)
     return state
 
 

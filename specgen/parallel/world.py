@@ -90,7 +90,7 @@ class World:
             raise ValueError(f"recipe.runtime.tensor_parallel_size: {size} ranks hold one copy of the target, "
                              f"so the number of processes must be a multiple of it ({where})")
 
-    def start(self, device: torch.device, tensor_parallel: int = 1) -> None:
+    def start(self, device: torch.device, tensor_parallel: int = 1, expert_parallel: bool = False) -> None:
         """Join the job's process group (once; a no-op for one process) and form the tensor-parallel
         blocks. On CUDA this rank takes the GPU its LOCAL_RANK names."""
         self.check_tensor_parallel(tensor_parallel)
@@ -111,7 +111,7 @@ class World:
                 group = dist.new_group(ranks, timeout=HOST_GROUP_TIMEOUT)
                 host = dist.new_group(ranks, backend="gloo", timeout=HOST_GROUP_TIMEOUT)
                 if self.rank in ranks:
-                    self.tp = TensorParallel(self.rank - first, tensor_parallel, group)
+                    self.tp = TensorParallel(self.rank - first, tensor_parallel, group, expert_parallel)
                     self.tp_host_group = host
         self._joined = True
 
