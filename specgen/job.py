@@ -31,6 +31,7 @@ import torch
 from specgen.checkpoints.headers import without_gc
 from specgen.checkpoints.loading import (
     draft_tensor_names,
+    kept_fp8_elements,
     has_draft_layers,
     load_draft,
     load_target,
@@ -43,6 +44,7 @@ from specgen.data import (PromptRecord, PromptSourceError, ResultsFileError, Res
                           read_prompts, stats_path, tokenize_with_generation_start, write_json_atomic)
 from specgen.drafts.forced import JUMP_FORWARD_K
 from specgen.drafts.suffix import SuffixProposer
+from specgen.kernels.block_fp8 import fp8_gemm_supported
 from specgen.machine import choose_threads, cpu_has_avx512, cpu_has_bf16
 from specgen.models.tensor_parallel import TensorParallel, rank_shape
 from specgen.parallel.decisions import SharedDecisions
@@ -171,13 +173,23 @@ def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
     try:
         with without_gc():
             target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device="meta",
-                                 dummy=dummy, dry=not dummy, tp=planned_tensor_parallel(recipe))
+                                 dummy=dummy, dry=not dummy, tp=planned_tensor_parallel(recipe),
+                                 keep_fp8=keeps_fp8(recipe, r.device))
             if recipe.draft.enabled and r.draft_config is not None and recipe.draft.load_format != "dummy":
                 load_draft(recipe.draft.model_method, r.draft_config, r.draft_folder, target,
                            num_speculative_tokens=recipe.draft.k_max, dtype=r.draft_dtype,
                            device="meta", dummy=r.draft_folder is None, dry=r.draft_folder is not None)
     except (CheckpointError, ValueError) as err:
         raise InputError(str(err)) from err
+
+
+def keeps_fp8(recipe: Recipe, device: torch.device) -> bool:
+    """`target.fp8_weights`: whether a block-FP8 checkpoint's weights stay FP8 (auto: where FP8
+    tensor cores multiply them, kernels/block_fp8.py, and the target is not split over ranks, which
+    kept FP8 is not yet); a checkpoint without FP8 weights ignores it."""
+    setting = recipe.target.fp8_weights
+    return setting == "keep" or (setting == "auto" and fp8_gemm_supported(device)
+                                 and recipe.runtime.tensor_parallel_size == 1)
 
 
 def planned_tensor_parallel(recipe: Recipe) -> TensorParallel:
@@ -248,6 +260,8 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     # cache; the draft, the embedding and the LM head are whole on every rank
     cfg = target_config(r.target_config)
     shard = rank_shape(cfg, planned_tensor_parallel(recipe))
+    # block-FP8 weights kept as FP8 take a byte each, beside their float32 scales
+    fp8, fp8_scales = kept_fp8_elements(r.target_config, r.target_folder) if keeps_fp8(recipe, r.device) else (0, 0)
     item = torch.empty((), dtype=r.dtype).element_size()
     b, k, dcfg = recipe.runtime.batch_size, 0, None
     if recipe.draft.has_model:
@@ -262,7 +276,7 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     filters = s.temperature > 0 and (s.top_p < 1 or s.top_k > 0)
     relaxed = s.relaxed_acceptance is not None and k > 0
     parts = {
-        "target weights": shard.num_parameters() * item,
+        "target weights": shard.num_parameters() * item - fp8 * (item - 1) + fp8_scales * 4,
         "target KV cache": shard.cache_bytes_per_token(r.dtype) * b * seq,
         # fp32 logits, processed log-probs, noise scores; top-k / top-p: probabilities, keys, masks;
         # relaxed acceptance: probabilities and a comparison
@@ -375,7 +389,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     dummy_target = recipe.target.load_format == "dummy"
     if target is None:
         target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
-                             dummy=dummy_target, tp=tp)
+                             dummy=dummy_target, tp=tp, keep_fp8=keeps_fp8(recipe, r.device))
     if dummy_target:
         notes.append("target.load_format is dummy: random weights, the output text is meaningless "
                      "(for measuring speed only)")

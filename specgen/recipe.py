@@ -72,6 +72,10 @@ class TargetSpec:
     # config.json fields replaced before anything is built (vLLM's hf_overrides; nested dicts merge):
     # e.g. {num_hidden_layers: 5} times the real DeepSeek-V3 layer shapes on one GPU with dummy weights
     hf_overrides: dict[str, Any] = field(default_factory=dict)
+    # block-FP8 checkpoints (DeepSeek-V3): keep = weights stay FP8, multiplied block-scaled
+    # (kernels/block_fp8.py); dequantize = to the run's dtype at load; auto = keep on GPUs with FP8
+    # tensor cores (compute capability 8.9+), dequantize elsewhere
+    fp8_weights: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,7 +489,8 @@ def _default_output(source: Path | None) -> str:
 _TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_template",
         "chat_template_kwargs", "reasoning", "train")
 _TRAIN = tuple(TrainSpec.__dataclass_fields__)
-_TARGET = ("model", "dtype", "load_format", "hf_overrides")
+FP8_WEIGHTS = ("auto", "keep", "dequantize")
+_TARGET = ("model", "dtype", "load_format", "hf_overrides", "fp8_weights")
 _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic", "max_speculative_tokens",
           "dtype", "suffix_history", "jump_forward")
 LOGPROBS_MODES = ("processed", "raw")    # pipelines/logprobs.py
@@ -513,6 +518,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         dtype=check.get(t, "target.dtype", _choice(DTYPES), "auto"),
         load_format=check.get(t, "target.load_format", _choice(LOAD_FORMATS), "auto"),
         hf_overrides=check.get(t, "target.hf_overrides", _optional(_string_keyed), None) or {},
+        fp8_weights=check.get(t, "target.fp8_weights", _choice(FP8_WEIGHTS), "auto"),
     )
 
     d = check.section(data, "draft", _DRAFT)

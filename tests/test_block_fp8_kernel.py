@@ -77,3 +77,23 @@ def test_the_op_takes_the_reference_where_there_are_no_fp8_tensor_cores():
     assert not bf.fp8_gemm_supported(torch.device("cpu"))
     torch.testing.assert_close(torch.ops.specgen.block_fp8_linear(x, weight, scale, 128),
                                bf.block_fp8_linear_reference(x, weight, scale))
+
+
+def experts_stack(E, N, K, block=128, seed=1):
+    layers = [layer(1, N, K, block, seed=seed + e) for e in range(E)]
+    return torch.stack([w for _, w, _ in layers]), torch.stack([s for _, _, s in layers])
+
+
+@pytest.mark.parametrize("P,E,N,K,block", [(1, 2, 128, 128, 128), (7, 4, 200, 300, 128), (9, 3, 48, 40, 16)])
+def test_the_pairs_kernel_equals_its_reference_and_reads_each_pairs_expert(P, E, N, K, block):
+    weight, scale = experts_stack(E, N, K, block)
+    x, _, _ = layer(P, N, K, block, seed=9)
+    experts = torch.randint(0, E, (P,), generator=torch.Generator().manual_seed(2))
+    expected = bf.block_fp8_pairs_reference(x, experts, weight, scale, block)
+    got = bf.block_fp8_pairs_triton(*(t.to(KERNEL_DEVICE) for t in (x, experts, weight, scale)), block).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # row p is x_p times expert e's own layer
+    for p in range(P):
+        e = int(experts[p])
+        one = bf.block_fp8_linear_reference(x[p:p + 1], weight[e], scale[e], block)
+        torch.testing.assert_close(expected[p:p + 1], one, rtol=1e-5, atol=1e-5)

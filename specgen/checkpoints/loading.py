@@ -21,15 +21,19 @@ Contract:
 
 from __future__ import annotations
 
+import math
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from specgen.checkpoints.headers import ShapeMismatch
+from specgen.checkpoints.headers import ShapeMismatch, checkpoint_headers
 from specgen.checkpoints.quantized import quantization_of
 from specgen.checkpoints.store import CheckpointError, weight_files
 from specgen.checkpoints.weights import read_tensor_headers, read_tensors, tensor_names
 from specgen.drafts.precision import target_for_draft
+from specgen.models.decoder import beyond_last_layer
+from specgen.models.fp8_layers import with_fp8_layers
 from specgen.models.materialise import build
 from specgen.models.tensor_parallel import TensorParallel, rank_shape
 from specgen.registry import DRAFT_METHODS, UnsupportedError, architecture_name, target_architecture
@@ -50,23 +54,57 @@ def target_config(config: dict, where: str = "config.json"):
 
 
 def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device, dummy: bool,
-                seed: int = 0, dry: bool = False, tp: TensorParallel = TensorParallel()):
-    """`tp`: build this rank's slice of a tensor-parallel target (models/tensor_parallel.py)."""
+                seed: int = 0, dry: bool = False, tp: TensorParallel = TensorParallel(),
+                keep_fp8: bool = False):
+    """`tp`: build this rank's slice of a tensor-parallel target (models/tensor_parallel.py).
+    `keep_fp8`: block-FP8 weights stay FP8, multiplied block-scaled (models/fp8_layers.py)."""
     where = str(folder / "config.json") if folder else "config.json"
     builder = target_builder(config, where)
     cfg = target_config(config, where)
     if tp.active:
         check_tensor_parallel(config, tp.size, where)
+    quantization = quantization_of(config, where)
+    keep_fp8 = keep_fp8 and quantization is not None and quantization.fp8_block is not None
+    if keep_fp8 and tp.active:
+        raise CheckpointError(f"{where}: FP8 weights kept as FP8 are not split over tensor-parallel ranks yet; "
+                              "set target.fp8_weights: dequantize")
     state = None
     if not dummy:
-        tensors = _read(folder, dry, device=device, dtype=dtype, quantization=quantization_of(config, where),
-                        reads=builder.reads)
+        tensors = _read(folder, dry, device=device, dtype=dtype, reads=builder.reads,
+                        quantization=replace(quantization, keep_fp8=True) if keep_fp8 else quantization)
         state = _converted(lambda: builder.convert_state_dict(tensors, cfg), folder)
         if tp.active:
             state = _converted(lambda: builder.shard_state(state, cfg, tp), folder)
     make = (lambda: builder.model_cls(cfg, tp)) if tp.active else (lambda: builder.model_cls(cfg))
+    if keep_fp8:
+        make_plain = make
+        make = lambda: _converted(lambda: with_fp8_layers(make_plain(), state), folder)  # noqa: E731
     model = build(make, state, dtype=dtype, device=device, seed=seed, where=str(folder))
     return model.eval().requires_grad_(False)
+
+
+def kept_fp8_elements(config: dict, folder: Path | None) -> tuple[int, int]:
+    """(elements of the FP8 weights a target keeps as FP8, elements of their float32 scales), from
+    the checkpoint's headers: the target's own tensors only (not an MTP layer past its last layer,
+    not a vision encoder), less those the model dequantises anyway (`FP8_DEQUANTIZED`)."""
+    quantization = quantization_of(config, "config.json")
+    if folder is None or quantization is None or quantization.fp8_block is None \
+            or not any(folder.glob("*.safetensors")):
+        return 0, 0
+    builder = target_builder(config)
+    layers = target_config(config).num_layers
+    dequantized = getattr(builder.model_cls, "FP8_DEQUANTIZED", ())
+    headers = checkpoint_headers(folder)
+    weights = scales = 0
+    for name, header in headers.items():
+        if not name.endswith(".weight_scale_inv") or not builder.reads(name) or beyond_last_layer(name, layers):
+            continue
+        base = name.removesuffix("_scale_inv")
+        if base.removesuffix(".weight").endswith(dequantized) or base not in headers:
+            continue
+        weights += math.prod(headers[base].shape)
+        scales += math.prod(header.shape)
+    return weights, scales
 
 
 def check_tensor_parallel(config: dict, size: int, where: str = "config.json") -> None:

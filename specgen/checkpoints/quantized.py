@@ -11,6 +11,9 @@ Contract:
   experts): `X.weight_packed [O, ceil(I / 8)]` int32 holding eight 4-bit values each, lowest bits
   first, stored as value + 8; `X.weight_scale [O, ceil(I / g)]` per group of g inputs;
   `X.weight_shape [2]` = [O, I]. Real value = (stored - 8) x scale.
+- With `Quantization.keep_fp8`, block FP8 weights stay as stored (`X.weight` e4m3 beside
+  `X.weight_scale_inv` float32) for GEMMs that multiply FP8 (kernels/block_fp8.py); INT4 is still
+  dequantised.
 - `dequantize_state(state, quantization, dtype=, where=)` replaces every such group of tensors by the
   dequantised `X.weight` in the run's dtype, in place; leftovers (a scale without its weight, FP8 or
   packed tensors without scales) are a `CheckpointError` naming the tensor. Given `TensorHeader`s
@@ -38,6 +41,7 @@ QUANTIZED_SUFFIXES = (FP8_SCALE, INT4_PACKED, INT4_SCALE, INT4_SHAPE)
 class Quantization:
     fp8_block: tuple[int, int] | None = None    # block FP8: the block shape
     int4_group: int | None = None               # packed INT4: inputs per scale
+    keep_fp8: bool = False                      # block FP8 stays FP8, beside its scales (kernels/block_fp8.py)
 
 
 def quantization_of(config: dict, where: str) -> Quantization | None:
@@ -102,8 +106,14 @@ def dequantize_state(state: dict[str, torch.Tensor], quantization: Quantization 
                      dtype: torch.dtype | None, where: str) -> dict[str, torch.Tensor]:
     """Replace each quantised weight's tensors by the dequantised `X.weight`, in place."""
     q = quantization or Quantization()
+    kept = set()
     for key in [k for k in state if k.endswith(FP8_SCALE)]:
         base = key[: -len(FP8_SCALE)]
+        if q.keep_fp8 and state.get(base + "weight") is not None and state[base + "weight"].dtype == torch.float8_e4m3fn:
+            _check_fp8_block(state[base + "weight"], state[key], q.fp8_block, where, base)
+            state[key] = state[key].float()       # the multipliers stay float32 whatever the run's dtype
+            kept |= {key, base + "weight"}
+            continue
         _dequantize(state, base, where, dtype,
                     lambda: dequantize_fp8_block(_take(state, base + "weight", key, where), state.pop(key),
                                                  q.fp8_block))
@@ -111,10 +121,19 @@ def dequantize_state(state: dict[str, torch.Tensor], quantization: Quantization 
         base = key[: -len(INT4_PACKED)]
         _dequantize(state, base, where, dtype,
                     lambda: _dequantize_int4(state, key, base, where, q.int4_group))
-    left = [k for k, v in state.items() if is_quantized_part(k, v)]
+    left = [k for k, v in state.items() if is_quantized_part(k, v) and k not in kept]
     if left:
         raise CheckpointError(f"{where}: quantised tensors without their scales or weights: {', '.join(left[:4])}")
     return state
+
+
+def _check_fp8_block(weight, scale, block: tuple[int, int] | None, where: str, base: str) -> None:
+    """A kept FP8 weight's scales must tile it in square blocks (what the GEMM kernel reads)."""
+    rows, cols = weight.shape
+    bo, bi = block or (math.ceil(rows / scale.shape[0]), math.ceil(cols / scale.shape[1]))
+    if bo != bi or tuple(scale.shape) != (math.ceil(rows / bo), math.ceil(cols / bi)):
+        raise CheckpointError(f"{where}: {base}weight: scale shape {list(scale.shape)} does not tile a "
+                              f"{rows}x{cols} weight in square blocks ({bo}x{bi}), which FP8 GEMMs need")
 
 
 def _dequantize_int4(state: dict, key: str, base: str, where: str, group: int | None):

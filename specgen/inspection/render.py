@@ -62,8 +62,10 @@ def _parts(report: Inspection) -> list:
         parts.append(table)
     if report.memory:
         m = report.memory
-        memory = {f"weights ({m['dtype']})": human_bytes(m["weights_bytes"]),
-                  "KV cache per token": human_bytes(m["kv_cache_bytes_per_token"])}
+        memory = {f"weights ({m['dtype']})": human_bytes(m["weights_bytes"])}
+        if "fp8_weights_bytes" in m:
+            memory["weights (FP8 kept: GPUs with FP8 tensor cores)"] = human_bytes(m["fp8_weights_bytes"])
+        memory["KV cache per token"] = human_bytes(m["kv_cache_bytes_per_token"])
         if "full_kv_bytes_per_token" in m:
             memory["  (uncompressed K/V would be)"] = human_bytes(m["full_kv_bytes_per_token"])
         memory[f"KV cache, batch {m['batch_size']} x {m['max_seq_len']} tokens"] = human_bytes(m["kv_cache_bytes"])

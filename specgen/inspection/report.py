@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from specgen.checkpoints.headers import DTYPE_NAMES, TensorHeader, checkpoint_headers, without_gc
-from specgen.checkpoints.loading import draft_tensor_names, load_draft, load_target, target_config
+from specgen.checkpoints.loading import draft_tensor_names, kept_fp8_elements, load_draft, load_target, target_config
 from specgen.models.tensor_parallel import TensorParallel, rank_shape
 from specgen.checkpoints.quantized import INT4_PACKED, quantization_of
 from specgen.checkpoints.store import CheckpointError, converted_folder, read_config, weight_files
@@ -170,6 +170,9 @@ def _inspect_target(report: Inspection, config: dict, folder: Path, headers: dic
         if target.model is not None:
             _dry_draft(report.problems, "mtp", config, folder, target, label="MTP layer: ")
     report.memory = _target_memory(target.cfg, batch_size, max_seq_len, tp, report.problems)
+    fp8, scales = kept_fp8_elements(config, folder)
+    if fp8:   # on GPUs with FP8 tensor cores the block-FP8 weights stay FP8 (target.fp8_weights)
+        report.memory["fp8_weights_bytes"] = report.memory["weights_bytes"] - fp8 * (RUN_DTYPE.itemsize - 1) + scales * 4
 
 
 def _dry_target(problems: list[str], config: dict, folder: Path) -> _Target | None:

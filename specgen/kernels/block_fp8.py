@@ -14,6 +14,12 @@ dtype. `block_fp8_linear_reference` is the same sum in PyTorch (the CPU path and
 `dequantized_linear` is x W^T with W dequantised, which the FP8 path approaches within the
 activations' FP8 rounding (3 mantissa bits: about 2^-4 of each slice's largest value).
 
+Routed experts (`block_fp8_pairs`): P (token, expert) pairs, `x [P, K]` and `experts [P]` int64 into
+a stack `weight [E, N, K]` FP8 with `weight_scale [E, ceil(N/BW), ceil(K/BW)]`: row p is x_p W_e^T
+with e = experts[p], the same block-scaled sum. Its kernel is one matrix-vector product per pair
+(weights read per pair: decode-sized steps, where few pairs share an expert), so it needs no FP8
+tensor cores; its reference gathers and dequantises the pairs' experts.
+
 The kernel tiles N by BLOCK_N <= BW (each tile reads one weight scale a K block) and steps K by the
 block itself, so each product of FP8 tiles is scaled once by its two scales, as DeepSeek's reference
 `fp8_gemm` does. It needs FP8 tensor cores on CUDA (compute capability 8.9+: Ada, Hopper, Blackwell);
@@ -69,6 +75,18 @@ def block_fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_sca
     return (x_real @ dequantize_weight(weight, weight_scale, block).T).to(x.dtype)
 
 
+def block_fp8_pairs_reference(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor,
+                              weight_scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Each pair's row times its expert's dequantised weight, activations quantised as above."""
+    # x: [P, K]; experts: [P]; weight: [E, N, K] fp8; weight_scale: [E, nb, kb] -> [P, N] x.dtype
+    x_fp8, x_scale = quantize_activations(x, block)
+    x_real = x_fp8.float() * x_scale.repeat_interleave(block, 1)[:, :x.shape[1]]
+    N, K = weight.shape[1:]
+    scale = weight_scale[experts].repeat_interleave(block, 1)[:, :N].repeat_interleave(block, 2)[:, :, :K]
+    w = weight[experts].float() * scale                                              # [P, N, K]
+    return torch.bmm(w, x_real.unsqueeze(-1)).squeeze(-1).to(x.dtype)
+
+
 def dequantized_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                        block: int = BLOCK) -> torch.Tensor:
     """x W^T with W dequantised and x as it is (what a dequantised checkpoint computes)."""
@@ -104,16 +122,38 @@ def _block_fp8_gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, KB,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+def _block_fp8_pairs_kernel(x_ptr, xs_ptr, e_ptr, w_ptr, ws_ptr, out_ptr, N, K, KB, NB,
+                            stride_xm, stride_we, stride_wn, stride_om,
+                            BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(e_ptr + pair)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    w_block_row = (pid_n * BLOCK_N) // BLOCK_K
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for kb in range(0, KB):
+        k = kb * BLOCK_K + ks
+        a = tl.load(x_ptr + pair * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + expert * stride_we + cols[:, None] * stride_wn + k[None, :],
+                    mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0).to(tl.float32)
+        a_scale = tl.load(xs_ptr + pair * KB + kb)
+        b_scale = tl.load(ws_ptr + (expert * NB + w_block_row) * KB + kb)
+        acc += tl.sum(b * a[None, :], axis=1) * (a_scale * b_scale)
+    tl.store(out_ptr + pair * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
 _jitted = False
 
 
 def jit_kernels() -> None:
-    global _jitted, _block_fp8_gemm_kernel
+    global _jitted, _block_fp8_gemm_kernel, _block_fp8_pairs_kernel
     if _jitted:
         return
     if triton is None:
         raise RuntimeError("triton is not installed")
     _block_fp8_gemm_kernel = triton.jit(_block_fp8_gemm_kernel)
+    _block_fp8_pairs_kernel = triton.jit(_block_fp8_pairs_kernel)
     _jitted = True
 
 
@@ -132,6 +172,7 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     KB = -(-K // block)
     assert weight.dtype == FP8 and weight.shape[1] == K and weight.stride(1) == 1, "weight: [N, K] e4m3fn"
     assert weight_scale.shape == (-(-N // block), KB) and weight_scale.dtype == torch.float32
+    block_n = min(block_n, block)
     assert block % block_n == 0, "a tile of N must lie in one weight block"
     weight_scale = weight_scale.contiguous()
     x_fp8, x_scale = quantize_activations(x, block)
@@ -142,6 +183,30 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     _block_fp8_gemm_kernel[grid](x_fp8, x_scale, weight, weight_scale, out, M, N, K, KB,
                                  x_fp8.stride(0), weight.stride(0), out.stride(0),
                                  BLOCK_K=block, BLOCK_M=block_m, BLOCK_N=block_n)
+    return out
+
+
+def block_fp8_pairs_triton(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor,
+                           weight_scale: torch.Tensor, block: int = BLOCK, block_n: int = BLOCK_N) -> torch.Tensor:
+    """Guarded launch: activations quantised (PyTorch), then one block-scaled product per pair."""
+    # x: [P, K]; experts: [P] int64; weight: [E, N, K] fp8; weight_scale: [E, nb, kb] -> [P, N] x.dtype
+    if not _jitted:
+        jit_kernels()
+    P, K = x.shape
+    E, N = weight.shape[:2]
+    KB, NB = -(-K // block), -(-N // block)
+    block_n = min(block_n, block)
+    assert weight.dtype == FP8 and weight.shape[2] == K and weight.stride(2) == 1, "weight: [E, N, K] e4m3fn"
+    assert weight_scale.shape == (E, NB, KB) and weight_scale.dtype == torch.float32
+    assert experts.shape == (P,) and experts.dtype == torch.int64 and block % block_n == 0
+    weight_scale, experts = weight_scale.contiguous(), experts.contiguous()
+    x_fp8, x_scale = quantize_activations(x, block)
+    out = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    if P == 0 or N == 0:
+        return out
+    _block_fp8_pairs_kernel[(P, triton.cdiv(N, block_n))](
+        x_fp8, x_scale, experts, weight, weight_scale, out, N, K, KB, NB,
+        x_fp8.stride(0), weight.stride(0), weight.stride(1), out.stride(0), BLOCK_K=block, BLOCK_N=block_n)
     return out
 
 
@@ -157,3 +222,17 @@ def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 @block_fp8_linear.register_fake
 def _(x, weight, weight_scale, block):
     return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("specgen::block_fp8_pairs", mutates_args=())
+def block_fp8_pairs(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                    block: int) -> torch.Tensor:
+    """The pairs' kernel on CUDA (with Triton), the reference elsewhere; one opaque op to torch.compile."""
+    if x.is_cuda and triton is not None:
+        return block_fp8_pairs_triton(x, experts, weight, weight_scale, block)
+    return block_fp8_pairs_reference(x, experts, weight, weight_scale, block)
+
+
+@block_fp8_pairs.register_fake
+def _(x, experts, weight, weight_scale, block):
+    return x.new_empty(x.shape[0], weight.shape[1])

@@ -161,6 +161,9 @@ class DeepseekV3Model(nn.Module):
 
 
 class DeepseekV3ForCausalLM(DecoderTarget):
+    # kept FP8 weights this model reads as matrices: MLA absorbs kv_b_proj's per-head blocks
+    FP8_DEQUANTIZED = ("kv_b_proj",)
+
     def __init__(self, cfg: DeepseekV3Config, tp: TensorParallel = TensorParallel()) -> None:
         """`tp`: this rank's slice of a tensor-parallel target; its `config` is then the slice's."""
         super().__init__()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgen.models.attention import AttentionBatch, KVCache, attend
+from specgen.models.tensor_header import ShapeMismatch
 
 
 class RMSNorm(nn.Module):
@@ -204,6 +205,31 @@ def fuse_rows(*weights: torch.Tensor) -> torch.Tensor:
     return torch.cat(weights, dim=0)
 
 
+def fp8_block_of(weight_shape, scale_shape) -> int:
+    """The square block of a block-FP8 weight, from its shape and its scales' (ceil(n / b) = s along
+    both dims; the power of two that fits, as every release uses, else the smallest that fits)."""
+    lo, hi = 1, 1 << 62
+    for n, s in zip(weight_shape[-2:], scale_shape[-2:]):
+        lo = max(lo, -(-n // s))
+        if s > 1:
+            hi = min(hi, -(-n // (s - 1)) - 1)
+    b = 1 << max(0, lo - 1).bit_length()          # the smallest power of two >= lo
+    return b if b <= hi else lo
+
+
+def fuse_scale_rows(state: dict, names: list[str]) -> torch.Tensor:
+    """Block-FP8 scales (`X.weight_scale_inv`, state still holding each `X.weight`) fused as their
+    weights will be: only weights whose rows fill whole blocks fuse (else a block would straddle
+    two of them)."""
+    for name in names:
+        weight, scale = state[name.removesuffix("_scale_inv")], state[name]
+        block = fp8_block_of(weight.shape, scale.shape)
+        if weight.shape[-2] % block:
+            raise ShapeMismatch(f"{name.removesuffix('_scale_inv')}: {weight.shape[-2]} rows do not fill "
+                                f"{block}-row FP8 blocks, so it cannot be fused with its neighbours as FP8")
+    return fuse_rows(*(state.pop(n) for n in names))
+
+
 class CachedSelfAttention(nn.Module):
     """Multi-head attention with GQA over a static KV cache; q, k and v fused into `qkv_proj`.
 
@@ -244,14 +270,18 @@ def cached(cache: KVCache, layer: int, batch: AttentionBatch) -> Attention:
 
 
 def fuse_attention_and_mlp_keys(state: dict[str, torch.Tensor], prefix: str) -> None:
-    """Rewrite HF `{q,k,v}_proj` / `{gate,up}_proj` keys under `prefix` into our fused ones, in place."""
-    for kind in ("weight", "bias"):
+    """Rewrite HF `{q,k,v}_proj` / `{gate,up}_proj` keys under `prefix` into our fused ones, in place
+    (block-FP8 weights kept as FP8 bring their `weight_scale_inv`, fused alike)."""
+    for kind in ("weight_scale_inv", "weight", "bias"):     # scales first: they check their weights
         names = [f"{prefix}self_attn.{p}_proj.{kind}" for p in "qkv"]
         if all(n in state for n in names):
-            state[f"{prefix}self_attn.qkv_proj.{kind}"] = fuse_rows(*(state.pop(n) for n in names))
-    gate, up = f"{prefix}mlp.gate_proj.weight", f"{prefix}mlp.up_proj.weight"
-    if gate in state and up in state:
-        state[f"{prefix}mlp.gate_up_proj.weight"] = fuse_rows(state.pop(gate), state.pop(up))
+            fuse = fuse_scale_rows(state, names) if kind == "weight_scale_inv" else fuse_rows(*(state.pop(n) for n in names))
+            state[f"{prefix}self_attn.qkv_proj.{kind}"] = fuse
+    for kind in ("weight_scale_inv", "weight"):
+        names = [f"{prefix}mlp.gate_proj.{kind}", f"{prefix}mlp.up_proj.{kind}"]
+        if all(n in state for n in names):
+            fuse = fuse_scale_rows(state, names) if kind == "weight_scale_inv" else fuse_rows(*(state.pop(n) for n in names))
+            state[f"{prefix}mlp.gate_up_proj.{kind}"] = fuse
 
 
 def split_attention_and_mlp_keys(state: dict[str, torch.Tensor], prefix: str, q_rows: int,

@@ -24,11 +24,13 @@ from specgen.models.tensor_header import is_header_state
 # Tensors that stay float32 in any run dtype (transformers keeps them so too): the MoE router's
 # score-correction bias decides expert choices by small margins.
 FLOAT32_TENSORS = ("e_score_correction_bias",)
+# Block-FP8 weights kept as FP8 (kernels/block_fp8.py): the weights stay FP8, their scales float32.
+FP8_SCALE_SUFFIX = "scale_inv"
 
 
 def keeps_float32(name: str) -> bool:
     """Whether the tensor of this checkpoint / module name stays float32 whatever the run's dtype."""
-    return name.endswith(FLOAT32_TENSORS)
+    return name.endswith(FLOAT32_TENSORS) or name.endswith(FP8_SCALE_SUFFIX)
 
 
 class LayoutError(CheckpointError):
@@ -116,7 +118,8 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], *, dtype: torch
     def placed(key: str, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in cast:
             target = torch.float32 if keeps_float32(key) else dtype
-            cast[id(t)] = t.to(device=device, dtype=target) if t.is_floating_point() else t.to(device)
+            keep = not t.is_floating_point() or t.dtype == torch.float8_e4m3fn    # FP8 weights stay FP8
+            cast[id(t)] = t.to(device) if keep else t.to(device=device, dtype=target)
         return cast[id(t)]
 
     module.load_state_dict({k: placed(k, v) for k, v in state.items()}, assign=True, strict=True)

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specgen.models.layers import GatedMLP
+from specgen.models.layers import GatedMLP, fuse_rows, fuse_scale_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +134,19 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
         self.first_expert = cfg.first_expert if cfg.expert_parallel else None
+        self.fp8_block: int | None = None
+
+    def keep_fp8(self, block: int) -> None:
+        """Hold the stacks as block-FP8 weights with their float32 scales (models/fp8_layers.py):
+        built on the meta device, before the state loads."""
+        e, two_i, h = self.gate_up_proj.shape
+        i = self.down_proj.shape[2]
+        fp8, blocks = torch.float8_e4m3fn, lambda n: -(-n // block)
+        self.gate_up_proj = nn.Parameter(torch.empty(e, two_i, h, dtype=fp8), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, dtype=fp8), requires_grad=False)
+        self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(e, blocks(two_i), blocks(h)), requires_grad=False)
+        self.down_proj_scale_inv = nn.Parameter(torch.empty(e, blocks(h), blocks(i)), requires_grad=False)
+        self.fp8_block = block
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         # x: [N, H]; weights, experts: [N, k] -> [N, H]
@@ -144,6 +157,8 @@ class RoutedExperts(nn.Module):
             mine = (local >= 0) & (local < self.gate_up_proj.shape[0])
             experts = local.clamp(0, self.gate_up_proj.shape[0] - 1)
             weights = weights * mine
+        if self.fp8_block is not None:
+            return self._fp8_pairs(x, weights, experts)
         if x.dtype == torch.bfloat16:
             return self._grouped(x, weights, experts)
         return self._gathered(x, weights, experts)
@@ -162,6 +177,16 @@ class RoutedExperts(nn.Module):
         out = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
         return torch.zeros_like(x).index_add(0, token, out)
+
+    def _fp8_pairs(self, x, weights, experts):
+        # every (token, expert) pair through its expert's FP8 weights (kernels/block_fp8.py)
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0)                                          # [N k, H]
+        pairs = torch.ops.specgen.block_fp8_pairs
+        gate, up = pairs(rows, flat, self.gate_up_proj, self.gate_up_proj_scale_inv, self.fp8_block).chunk(2, dim=-1)
+        out = pairs(F.silu(gate) * up, flat, self.down_proj, self.down_proj_scale_inv, self.fp8_block)
+        return (out.view(n, k, -1) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
     def _gathered(self, x, weights, experts):
         n, k = experts.shape
@@ -207,14 +232,22 @@ def stack_expert_keys(state: dict[str, torch.Tensor], prefix: str, num_experts: 
     names = [f"{prefix}experts.{e}.{p}_proj.weight" for e in range(num_experts) for p in ("gate", "up", "down")]
     if not all(n in state for n in names):
         return   # missing keys are reported by the loader, with their names
-    gate_up, down = [], []
-    for e in range(num_experts):
-        base = f"{prefix}experts.{e}."
-        gate_up.append(torch.cat((state.pop(base + "gate_proj.weight"), state.pop(base + "up_proj.weight"))))
-        down.append(state.pop(base + "down_proj.weight"))
-    state[f"{prefix}experts.gate_up_proj"] = torch.stack(gate_up)
-    state[f"{prefix}experts.down_proj"] = torch.stack(down)
+    # block-FP8 weights kept as FP8 (models/fp8_layers.py) bring their scales, stacked alike
+    # (scales first: they check their weights' rows)
+    kinds = ("weight_scale_inv", "weight") if f"{prefix}experts.0.gate_proj.weight_scale_inv" in state else ("weight",)
+    for kind in kinds:
+        suffix = "" if kind == "weight" else "_scale_inv"
+        gate_up, down = [], []
+        for e in range(num_experts):
+            base = f"{prefix}experts.{e}."
+            pair = [f"{base}gate_proj.{kind}", f"{base}up_proj.{kind}"]
+            gate_up.append(fuse_scale_rows(state, pair) if suffix else fuse_rows(*(state.pop(n) for n in pair)))
+            down.append(state.pop(f"{base}down_proj.{kind}"))
+        state[f"{prefix}experts.gate_up_proj{suffix}"] = torch.stack(gate_up)
+        state[f"{prefix}experts.down_proj{suffix}"] = torch.stack(down)
     shared = f"{prefix}shared_experts."
-    if f"{shared}gate_proj.weight" in state and f"{shared}up_proj.weight" in state:
-        state[f"{shared}gate_up_proj.weight"] = torch.cat(
-            (state.pop(f"{shared}gate_proj.weight"), state.pop(f"{shared}up_proj.weight")))
+    for kind in ("weight_scale_inv", "weight"):
+        pair = [f"{shared}gate_proj.{kind}", f"{shared}up_proj.{kind}"]
+        if all(n in state for n in pair):
+            fused = fuse_scale_rows(state, pair) if kind != "weight" else fuse_rows(*(state.pop(n) for n in pair))
+            state[f"{shared}gate_up_proj.{kind}"] = fused
