@@ -23,7 +23,7 @@ test_seconds=${2:-240}
 bench_seconds=${3:-300}
 prompts=${4:-benchmarks/prompts/spec-bench-style.jsonl}
 parallel=${PARALLEL:-6}
-parts=${PARTS:-tests,bench}   # PARTS=tests or PARTS=bench runs one half (e.g. one per device call)
+parts=${PARTS:-tests,fp8,bench}   # PARTS=tests or PARTS=bench runs one part (e.g. one per device call)
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 stamp() { echo "[$(date +%T)] $*"; }
@@ -60,6 +60,11 @@ export -f run_one
 export out test_seconds
 xargs -a "$out/ids.txt" -P "$parallel" -I{} bash -c 'run_one "$@"' _ {}
 stamp "tests: $(grep -c '^passed' "$out/tests.txt") passed of $(wc -l < "$out/ids.txt")"
+fi
+# --- FP8 GEMMs against bf16 on DeepSeek-V3's shapes (PARTS=fp8: needs no model files) ---------------
+if [[ ,$parts, == *,fp8,* ]]; then
+    stamp "fp8 gemm"
+    timeout -k 5 120 python3 benchmarks/fp8_gemm.py 2>&1 | tee "$out/fp8_gemm.log"
 fi
 [[ ,$parts, == *,bench,* ]] || { stamp done; exit 0; }
 

@@ -503,10 +503,13 @@ def _cut_torn_tail(path: Path) -> None:
 
 
 def read_result_ids(path: Path) -> set[str]:
-    """The ids of the whole result lines of a results file (torn or foreign lines are skipped)."""
+    """The ids of the whole result lines of a results file (torn or foreign lines are skipped; a
+    last line without its newline is torn, whatever it holds: a resumed writer cuts it)."""
     ids: set[str] = set()
     with path.open("r", encoding="utf-8", errors="replace") as f:
         for line in f:
+            if not line.endswith("\n"):
+                break
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError:

@@ -185,11 +185,9 @@ def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
 
 def keeps_fp8(recipe: Recipe, device: torch.device) -> bool:
     """`target.fp8_weights`: whether a block-FP8 checkpoint's weights stay FP8 (auto: where FP8
-    tensor cores multiply them, kernels/block_fp8.py, and the target is not split over ranks, which
-    kept FP8 is not yet); a checkpoint without FP8 weights ignores it."""
+    tensor cores multiply them, kernels/block_fp8.py); a checkpoint without FP8 weights ignores it."""
     setting = recipe.target.fp8_weights
-    return setting == "keep" or (setting == "auto" and fp8_gemm_supported(device)
-                                 and recipe.runtime.tensor_parallel_size == 1)
+    return setting == "keep" or (setting == "auto" and fp8_gemm_supported(device))
 
 
 def planned_tensor_parallel(recipe: Recipe) -> TensorParallel:
@@ -262,6 +260,8 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     shard = rank_shape(cfg, planned_tensor_parallel(recipe))
     # block-FP8 weights kept as FP8 take a byte each, beside their float32 scales
     fp8, fp8_scales = kept_fp8_elements(r.target_config, r.target_folder) if keeps_fp8(recipe, r.device) else (0, 0)
+    # split over ranks like the rest (the few whole on every rank, MLA's q_a / kv_a, are not counted)
+    fp8, fp8_scales = fp8 // recipe.runtime.tensor_parallel_size, fp8_scales // recipe.runtime.tensor_parallel_size
     item = torch.empty((), dtype=r.dtype).element_size()
     b, k, dcfg = recipe.runtime.batch_size, 0, None
     if recipe.draft.has_model:
@@ -312,9 +312,12 @@ def available_bytes(device: torch.device) -> int:
     return 1 << 62
 
 
-def check_memory(recipe: Recipe, r: Resolved) -> dict[str, int]:
+def check_memory(recipe: Recipe, r: Resolved, ranks_here: int = 1) -> dict[str, int]:
+    """`ranks_here`: processes of a torchrun job on this machine; on a CPU they share its RAM."""
     parts = estimate_bytes(recipe, r)
     need, have = sum(parts.values()), available_bytes(r.device)
+    if r.device.type == "cpu":
+        have //= max(1, ranks_here)
     if need > 0.9 * have:
         gib = 1 << 30
         detail = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items())
@@ -621,8 +624,10 @@ def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = 
         records = list(read_prompts(prompts or recipe.prompts, limit=limit))
     except PromptSourceError as err:
         raise InputError(str(err)) from err
+    if world.distributed and torch.cuda.is_available() and recipe.runtime.device != "cpu":
+        torch.cuda.set_device(world.local_rank)    # before anything asks CUDA (memory, contexts)
     r = resolve(recipe)
-    memory = check_memory(recipe, r)
+    memory = check_memory(recipe, r, ranks_here=world.local_size)
     joined_here = world.distributed and world.host_group is None
     world.start(r.device, recipe.runtime.tensor_parallel_size, recipe.runtime.expert_parallel)
     try:
@@ -659,8 +664,10 @@ def _run_shard(recipe: Recipe, r: Resolved, world: World, records: list[PromptRe
             raise InputError(str(err)) from err
         if world.tp.active:
             runner.header += f", tensor parallel: rank {world.tp.rank} of {world.tp.size}"
-            if not isinstance(runner.policy, FixedPolicy):
-                runner.policy = SharedDecisions(runner.policy, world)   # one k for the copy's ranks
+            if not isinstance(runner.policy, FixedPolicy):   # one k for the copy's ranks
+                if isinstance(runner.policy, HybridPolicy) and not isinstance(runner.policy.model, FixedPolicy):
+                    runner.policy.model = SharedDecisions(runner.policy.model, world)
+                runner.policy = SharedDecisions(runner.policy, world)
         if world.dp_size > 1:
             runner.header += (f", data parallel: copy {world.dp_rank} of {world.dp_size} "
                               f"({len(todo)} of {len(todo_everywhere)} prompts)")
@@ -688,6 +695,7 @@ def _run_shard(recipe: Recipe, r: Resolved, world: World, records: list[PromptRe
         try:
             runner.run(_requests(todo, tokenizer, recipe), on_finish, progress, on_status)
             if shared is not None:
+                writer.sync()       # on disk before rank 0 may read it (a shared filesystem too)
                 shared.finish(_rank_figures(world, runner) if world.writes else {})
                 show = (lambda: on_progress(shared.combined(latest))) if on_progress and world.leader else None
                 ranks = shared.wait_all(show)
@@ -715,6 +723,9 @@ class _Discard:
     """The results writer of a tensor-parallel rank that is not its copy's first: the first writes."""
 
     def write(self, record) -> None:
+        pass
+
+    def sync(self) -> None:
         pass
 
     def close(self) -> None:

@@ -97,3 +97,17 @@ def test_the_pairs_kernel_equals_its_reference_and_reads_each_pairs_expert(P, E,
         e = int(experts[p])
         one = bf.block_fp8_linear_reference(x[p:p + 1], weight[e], scale[e], block)
         torch.testing.assert_close(expected[p:p + 1], one, rtol=1e-5, atol=1e-5)
+
+
+def test_torchs_blockwise_scaled_mm_is_probed_and_never_taken_off_cuda():
+    assert bf.scaled_mm_works(torch.device("cpu")) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_gpu_the_op_equals_the_reference_at_deepseek_v3_shapes():
+    # a 7168-wide input, as every DeepSeek-V3 projection out of the residual stream has
+    x, weight, scale = layer(8, 1536, 7168, dtype=torch.bfloat16)
+    expected = bf.block_fp8_linear_reference(x, weight, scale).float()
+    got = torch.ops.specgen.block_fp8_linear(*(t.cuda() for t in (x, weight, scale)), 128).float().cpu()
+    assert (got - expected).norm() / expected.norm() < 1e-2

@@ -59,6 +59,15 @@ def test_parts_count_as_done_and_merge_once_in_prompt_order(tmp_path):
     assert merge_parts(out) == 0                # nothing left: a second merge changes nothing
 
 
+def test_a_whole_record_without_its_newline_is_not_done(tmp_path):
+    # a killed writer's last line may be whole JSON yet lack its newline: the resumed writer cuts
+    # it, so it must count as not done, or that prompt would be lost
+    out = tmp_path / "out.jsonl"
+    out.write_text(line("a") + line("b").rstrip("\n"))
+    part_path(out, 1).write_text(line("c") + line("d").rstrip("\n"))
+    assert finished_ids(out) == {"a", "c"}
+
+
 def test_a_run_that_starts_over_drops_the_parts_of_ranks_it_does_not_have(tmp_path):
     out = tmp_path / "out.jsonl"
     for rank in (1, 2, 3):

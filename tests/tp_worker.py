@@ -1,9 +1,12 @@
 """A tensor-parallel rank for tests/test_tensor_parallel.py, started by torchrun (spawned ranks).
 
-`tp_worker.py CHECKPOINT OUT_FOLDER [single | ep]`: every rank loads its slice of the target (with
-`ep`, whole routed experts per rank), runs one prefill and one decode step of 3 tokens per row over
-a fixed batch, and writes the float32 logits it computed to OUT_FOLDER/rank-<r>.pt (every rank holds
-the whole logits: they must all agree); `single` runs the whole target in this one process instead.
+`tp_worker.py CHECKPOINT OUT_FOLDER MODES`: MODES is a comma-separated list of `tp`, `ep` (whole
+routed experts per rank), each optionally `+fp8` (block-FP8 weights kept as FP8). For each, every
+rank loads its slice of the target, runs one prefill and one decode step of 3 tokens per row over a
+fixed batch, and writes the float32 logits it computed to OUT_FOLDER/<mode>-rank-<r>.pt (every rank
+holds the whole logits: they must all agree). Without torchrun (`single`, `single+fp8`) it runs the
+whole target in this one process and writes OUT_FOLDER/<mode>.pt. One process serves every mode: the
+imports and the process group are paid once.
 """
 
 from __future__ import annotations
@@ -32,19 +35,24 @@ def forward_twice(model, vocab: int) -> torch.Tensor:
 
 
 def main() -> None:
-    folder, out = Path(sys.argv[1]), Path(sys.argv[2])
+    folder, out, modes = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")
     torch.set_num_threads(1)
     config = read_config(folder)
-    mode = sys.argv[3] if len(sys.argv) > 3 else "tp"
-    if mode == "single":
-        model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False)
-        torch.save(forward_twice(model, model.vocab_size), out / "single.pt")
-        return
-    dist.init_process_group("gloo")
-    tp = TensorParallel(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, expert_parallel=mode == "ep")
-    model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False, tp=tp)
-    torch.save(forward_twice(model, model.vocab_size), out / f"rank-{tp.rank}.pt")
-    dist.destroy_process_group()
+    distributed = not modes[0].startswith("single")
+    if distributed:
+        dist.init_process_group("gloo")
+    for mode in modes:
+        split, _, fp8 = mode.partition("+")
+        keep = fp8 == "fp8"
+        if not distributed:
+            model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False, keep_fp8=keep)
+            torch.save(forward_twice(model, model.vocab_size), out / f"{mode}.pt")
+            continue
+        tp = TensorParallel(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, expert_parallel=split == "ep")
+        model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False, tp=tp, keep_fp8=keep)
+        torch.save(forward_twice(model, model.vocab_size), out / f"{mode}-rank-{tp.rank}.pt")
+    if distributed:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -65,9 +65,6 @@ def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device
         check_tensor_parallel(config, tp.size, where)
     quantization = quantization_of(config, where)
     keep_fp8 = keep_fp8 and quantization is not None and quantization.fp8_block is not None
-    if keep_fp8 and tp.active:
-        raise CheckpointError(f"{where}: FP8 weights kept as FP8 are not split over tensor-parallel ranks yet; "
-                              "set target.fp8_weights: dequantize")
     state = None
     if not dummy:
         tensors = _read(folder, dry, device=device, dtype=dtype, reads=builder.reads,

@@ -17,8 +17,12 @@ activations' FP8 rounding (3 mantissa bits: about 2^-4 of each slice's largest v
 Routed experts (`block_fp8_pairs`): P (token, expert) pairs, `x [P, K]` and `experts [P]` int64 into
 a stack `weight [E, N, K]` FP8 with `weight_scale [E, ceil(N/BW), ceil(K/BW)]`: row p is x_p W_e^T
 with e = experts[p], the same block-scaled sum. Its kernel is one matrix-vector product per pair
-(weights read per pair: decode-sized steps, where few pairs share an expert), so it needs no FP8
-tensor cores; its reference gathers and dequantises the pairs' experts.
+(weights read per pair: decode-sized steps, where few pairs share an expert), it takes the
+devices the GEMM does; its reference gathers and dequantises the pairs' experts.
+
+On CUDA, `block_fp8_linear` takes torch's own blockwise `F.scaled_mm` (1 x 128 activation scales,
+128 x 128 weight scales: cuBLAS on Hopper) where this torch and GPU run it and it agrees with the
+reference on a probe problem (`scaled_mm_works`, once per device); else the Triton kernel below.
 
 The kernel tiles N by BLOCK_N <= BW (each tile reads one weight scale a K block) and steps K by the
 block itself, so each product of FP8 tiles is scaled once by its two scales, as DeepSeek's reference
@@ -210,11 +214,50 @@ def block_fp8_pairs_triton(x: torch.Tensor, experts: torch.Tensor, weight: torch
     return out
 
 
+def block_fp8_linear_scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """The same product through torch's blockwise `F.scaled_mm` (128-blocks only)."""
+    # x: [M, K]; weight: [N, K] fp8; weight_scale: [ceil(N/128), ceil(K/128)] -> [M, N] x.dtype
+    F = torch.nn.functional
+    x_fp8, x_scale = quantize_activations(x, BLOCK)
+    return F.scaled_mm(x_fp8, weight.t(), x_scale.t().contiguous().t(), F.ScalingType.BlockWise1x128,
+                       weight_scale.t(), F.ScalingType.BlockWise128x128, output_dtype=x.dtype)
+
+
+_SCALED_MM_WORKS: dict[str, bool] = {}
+
+
+def scaled_mm_works(device: torch.device) -> bool:
+    """Whether torch's blockwise `F.scaled_mm` runs on `device` and agrees with the reference, from
+    one probe problem per device (its layouts and GPUs have changed between torch releases)."""
+    key = str(device)
+    if key not in _SCALED_MM_WORKS:
+        ok = False
+        if device.type == "cuda" and hasattr(torch.nn.functional, "ScalingType"):
+            try:
+                gen = torch.Generator().manual_seed(0)
+                real = torch.randn(256, 512, generator=gen) * 0.05
+                scale = real.view(2, 128, 4, 128).abs().amax(dim=(1, 3)) / FP8_MAX
+                weight = (real.view(2, 128, 4, 128) / scale[:, None, :, None]).view(256, 512).to(FP8)
+                x = torch.randn(32, 512, generator=gen).to(torch.bfloat16)
+                args = [t.to(device) for t in (x, weight, scale)]
+                got = block_fp8_linear_scaled_mm(*args).float().cpu()
+                expected = block_fp8_linear_reference(x, weight, scale).float()
+                ok = bool(((got - expected).norm() / expected.norm()) < 1e-2)
+            except (RuntimeError, ValueError, TypeError, NotImplementedError):
+                ok = False
+        _SCALED_MM_WORKS[key] = ok
+    return _SCALED_MM_WORKS[key]
+
+
 @torch.library.custom_op("specgen::block_fp8_linear", mutates_args=())
 def block_fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: int) -> torch.Tensor:
-    """The kernel where FP8 tensor cores are (`fp8_gemm_supported`), the reference elsewhere; one
-    opaque op to torch.compile either way."""
+    """torch's blockwise scaled_mm or the Triton kernel where FP8 tensor cores are
+    (`fp8_gemm_supported`), the reference elsewhere; one opaque op to torch.compile either way."""
     if fp8_gemm_supported(x.device):
+        K, N = x.shape[1], weight.shape[0]
+        # cuBLAS's blockwise layouts want whole 128-blocks of N and K in groups of 4 (as probed)
+        if block == BLOCK and K % (4 * BLOCK) == 0 and N % BLOCK == 0 and scaled_mm_works(x.device):
+            return block_fp8_linear_scaled_mm(x, weight, weight_scale)
         return block_fp8_linear_triton(x, weight, weight_scale, block)
     return block_fp8_linear_reference(x, weight, weight_scale, block)
 
@@ -227,8 +270,9 @@ def _(x, weight, weight_scale, block):
 @torch.library.custom_op("specgen::block_fp8_pairs", mutates_args=())
 def block_fp8_pairs(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     block: int) -> torch.Tensor:
-    """The pairs' kernel on CUDA (with Triton), the reference elsewhere; one opaque op to torch.compile."""
-    if x.is_cuda and triton is not None:
+    """The pairs' kernel where Triton loads FP8 (`fp8_gemm_supported`), the reference elsewhere; one
+    opaque op to torch.compile."""
+    if fp8_gemm_supported(x.device):
         return block_fp8_pairs_triton(x, experts, weight, weight_scale, block)
     return block_fp8_pairs_reference(x, experts, weight, weight_scale, block)
 

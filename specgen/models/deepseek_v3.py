@@ -36,7 +36,15 @@ from specgen.models.layers import (
 from specgen.models.mla import LatentAttention, LatentCache, MlaDims
 from specgen.models.moe import MoE, MoeConfig, stack_expert_keys
 from specgen.models.protocol import TargetBuilder, TargetShape
-from specgen.models.tensor_parallel import TensorParallel, block, rank_shape, reduced, rows, shard_gated_mlp, split_evenly
+from specgen.models.tensor_parallel import (
+    TensorParallel,
+    rank_shape,
+    reduced,
+    shard_gated_mlp,
+    split_block,
+    split_evenly,
+    split_rows,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,17 +220,18 @@ def shard_state(state: dict[str, torch.Tensor], cfg: DeepseekV3Config, tp: Tenso
         attn, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         for name in ("q_proj.weight", "q_b_proj.weight", "kv_b_proj.weight"):   # rows grouped by head
             if attn + name in state:
-                state[attn + name] = block(state[attn + name], tp, dim=0)
-        state[attn + "o_proj.weight"] = block(state[attn + "o_proj.weight"], tp, dim=1)
+                split_block(state, attn + name, tp, dim=0)
+        split_block(state, attn + "o_proj.weight", tp, dim=1)
         if not cfg.is_moe(i):
             shard_gated_mlp(state, mlp, cfg.intermediate_size, tp)
             continue
         gate_up, down = mlp + "experts.gate_up_proj", mlp + "experts.down_proj"
         if tp.expert_parallel:
-            state[gate_up], state[down] = block(state[gate_up], tp, dim=0), block(state[down], tp, dim=0)
+            split_block(state, gate_up, tp, dim=0)
+            split_block(state, down, tp, dim=0)
         else:   # [E, 2I, H] and [E, H, I]: each expert's gate and up rows, and its down columns
-            state[gate_up] = rows(state[gate_up], [m.moe_intermediate_size] * 2, tp, dim=1)
-            state[down] = block(state[down], tp, dim=2)
+            split_rows(state, gate_up, [m.moe_intermediate_size] * 2, tp, dim=1)
+            split_block(state, down, tp, dim=2)
         if m.n_shared_experts:
             shard_gated_mlp(state, mlp + "shared_experts.", m.moe_intermediate_size * m.n_shared_experts, tp)
     return state

@@ -22,16 +22,19 @@ from torch import nn
 from specgen.errors import CheckpointError
 from specgen.kernels import block_fp8
 from specgen.models.layers import fp8_block_of
+from specgen.models.tensor_parallel import ReducedLinear
 
 SCALE = "weight_scale_inv"
 
 
 class BlockFP8Linear(nn.Module):
-    """y = x W^T (+ b) with W stored FP8 [out, in] and a float32 scale per block."""
+    """y = x W^T (+ b) with W stored FP8 [out, in] and a float32 scale per block. `group`: a
+    tensor-parallel rank's slice of input columns, summed over the group as `ReducedLinear` does
+    (models/tensor_parallel.py)."""
 
-    def __init__(self, in_features: int, out_features: int, block: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, block: int, bias: bool = False, group=None) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.block = in_features, out_features, block
+        self.in_features, self.out_features, self.block, self.group = in_features, out_features, block, group
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=block_fp8.FP8), requires_grad=False)
         self.weight_scale_inv = nn.Parameter(
             torch.empty(math.ceil(out_features / block), math.ceil(in_features / block)), requires_grad=False)
@@ -42,6 +45,10 @@ class BlockFP8Linear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         out = torch.ops.specgen.block_fp8_linear(flat, self.weight, self.weight_scale_inv, self.block)
         out = out.view(*x.shape[:-1], self.out_features)
+        if self.group is not None:
+            from torch.distributed import _functional_collectives as funcol
+
+            out = funcol.all_reduce(out, "sum", self.group)
         return out if self.bias is None else out + self.bias
 
 
@@ -64,11 +71,12 @@ def with_fp8_layers(model: nn.Module, state: dict | None) -> nn.Module:
         elif key.endswith("." + SCALE):
             path = key[: -len("." + SCALE)]
             linear = model.get_submodule(path)
-            if type(linear) is not nn.Linear:
+            if type(linear) not in (nn.Linear, ReducedLinear):
                 raise CheckpointError(f"{path}: an FP8 weight where specgen's model has a {type(linear).__name__}, "
-                                 "which multiplies only dequantised weights")
+                                      "which multiplies only dequantised weights")
             parent, _, name = path.rpartition(".")
             layer = BlockFP8Linear(linear.in_features, linear.out_features,
-                                   fp8_block_of(state[path + ".weight"].shape, scale.shape), linear.bias is not None)
+                                   fp8_block_of(state[path + ".weight"].shape, scale.shape), linear.bias is not None,
+                                   group=getattr(linear, "group", None))
             setattr(model.get_submodule(parent) if parent else model, name, layer)
     return model

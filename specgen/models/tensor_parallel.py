@@ -25,7 +25,9 @@ Contract:
   memory estimate are built from. A size that does not divide them is a ValueError naming it.
 - `shard_fused_state(state, cfg, tp, prefixes)`: a converted (fused) Llama state cut to this rank's
   slice, in place (models/deepseek_v3.py has its own); `reduced(linear, tp)` is a layer's
-  `ReducedLinear` (same parameter names, so a sliced state loads as any other).
+  `ReducedLinear` (same parameter names, so a sliced state loads as any other). Block-FP8 weights
+  kept as FP8 are cut with their scales (`split_rows`, `split_block`), where each rank's share fills
+  whole blocks (DeepSeek-V3's do at 2, 4 and 8 ranks), else a ValueError says so.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specgen.models.layers import fp8_block_of
+from specgen.models.tensor_header import ShapeMismatch
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,10 +101,44 @@ def block(tensor: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
     return tensor.chunk(tp.size, dim=dim)[tp.rank].contiguous()
 
 
+def scale_key(key: str) -> str:
+    """The block-FP8 scales of a weight kept as FP8 (models/fp8_layers.py): `X.weight` ->
+    `X.weight_scale_inv`, a stacked `experts.gate_up_proj` -> `experts.gate_up_proj_scale_inv`."""
+    return key + "_scale_inv"
+
+
+def _scale_parts(state: dict, key: str, parts: list[int], dim: int, tp: TensorParallel) -> list[int] | None:
+    """`parts` in blocks of the FP8 scale beside `key` (None: no scale there). Each rank's share of
+    each part must fill whole blocks: a block split between ranks has no scale of its own."""
+    if scale_key(key) not in state:
+        return None
+    weight, scale = state[key], state[scale_key(key)]
+    if dim < weight.ndim - 2:
+        return parts                    # the experts of a stack: a scale grid each, not blocks
+    size = fp8_block_of(weight.shape, scale.shape)
+    if any((part // tp.size) % size for part in parts):
+        raise ShapeMismatch(f"runtime.tensor_parallel_size {tp.size} cuts {key} ({weight.shape[dim]} along dim {dim}) "
+                         f"inside its {size}-wide FP8 blocks; set target.fp8_weights: dequantize")
+    return [part // size for part in parts]
+
+
+def split_rows(state: dict, key: str, parts: list[int], tp: TensorParallel, dim: int = 0) -> None:
+    """`rows` on a state's tensor, in place, and on its FP8 scales alike."""
+    scale_parts = _scale_parts(state, key, parts, dim, tp)
+    state[key] = rows(state[key], parts, tp, dim)
+    if scale_parts is not None:
+        state[scale_key(key)] = rows(state[scale_key(key)], scale_parts, tp, dim)
+
+
+def split_block(state: dict, key: str, tp: TensorParallel, dim: int) -> None:
+    """`block` on a state's tensor, in place, and on its FP8 scales alike."""
+    split_rows(state, key, [state[key].shape[dim]], tp, dim)
+
+
 def shard_gated_mlp(state: dict, prefix: str, intermediate: int, tp: TensorParallel) -> None:
     """A fused gated MLP under `prefix` (`gate_up_proj` rows, `down_proj` columns), in place."""
-    state[f"{prefix}gate_up_proj.weight"] = rows(state[f"{prefix}gate_up_proj.weight"], [intermediate] * 2, tp)
-    state[f"{prefix}down_proj.weight"] = block(state[f"{prefix}down_proj.weight"], tp, dim=1)
+    split_rows(state, f"{prefix}gate_up_proj.weight", [intermediate] * 2, tp)
+    split_block(state, f"{prefix}down_proj.weight", tp, dim=1)
 
 
 def shard_fused_state(state: dict, cfg, tp: TensorParallel, prefixes: list[str]) -> dict:
@@ -113,8 +152,8 @@ def shard_fused_state(state: dict, cfg, tp: TensorParallel, prefixes: list[str])
         for kind in ("weight", "bias"):
             name = f"{prefix}self_attn.qkv_proj.{kind}"
             if name in state:
-                state[name] = rows(state[name], qkv, tp)
-        state[f"{prefix}self_attn.o_proj.weight"] = block(state[f"{prefix}self_attn.o_proj.weight"], tp, dim=1)
+                split_rows(state, name, qkv, tp)
+        split_block(state, f"{prefix}self_attn.o_proj.weight", tp, dim=1)
         shard_gated_mlp(state, f"{prefix}mlp.", cfg.intermediate_size, tp)
     return state
 

@@ -154,15 +154,17 @@ class World:
         `start`. Why pin: each rank's compiled steps are many short parallel regions whose threads
         spin-wait for each other, and two ranks' threads taking turns on one core stall both
         (machine.py)."""
-        if self.local_size <= 1 or not hasattr(os, "sched_getaffinity"):
+        if not self.distributed or not hasattr(os, "sched_getaffinity"):
             return None
         import socket
 
         import torch.distributed as dist
 
         cpus = sorted(os.sched_getaffinity(0))
-        everyone: list = [None] * self.size
+        everyone: list = [None] * self.size     # every rank gathers, whatever its machine holds
         dist.all_gather_object(everyone, (socket.gethostname(), cpus), group=self.host_group)
+        if self.local_size <= 1:
+            return None
         here = [theirs for host, theirs in everyone if host == socket.gethostname()]
         if any(theirs != cpus for theirs in here):
             return len(cpus), f"the {len(cpus)} CPUs this rank was pinned to"

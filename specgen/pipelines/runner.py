@@ -269,7 +269,10 @@ class Runner:
         and K's estimated cost (host_policy.py). A hybrid's parts are prepared each as alone. A policy
         swapped in later (`use_policy`) is prepared the same way."""
         seconds = 0.0
-        hybrid = self.policy if isinstance(self.policy, HybridPolicy) else None
+        # a policy may stand behind a wrapper that shares its decisions (parallel/decisions.py:
+        # `inner`); the wrapper is what is called, the policy inside is what it is
+        kind = lambda p: getattr(p, "inner", p)  # noqa: E731
+        hybrid = kind(self.policy) if isinstance(kind(self.policy), HybridPolicy) else None
         policy = hybrid.model if hybrid is not None else self.policy
         if not self.warmed:
             self.warmed = True
@@ -283,26 +286,26 @@ class Runner:
                     key_index = self.functions.key_index(self.kv_bucket(call.width))
                     batches.append(pack(call, self.alloc_len, key_index, self.device))
             # a fixed k > 0 never runs the plain step; an adaptive policy starts from it (profile.py)
-            seconds += self._compile_variant(policy.k if isinstance(policy, FixedPolicy) else 0, batches)
+            seconds += self._compile_variant(policy.k if isinstance(kind(policy), FixedPolicy) else 0, batches)
         if any(p is self.policy for p in self._prepared):
             host = hybrid.host if hybrid is not None and hybrid.adaptive else policy
-            if isinstance(host, HostDraftPolicy) and host.estimated:
+            if isinstance(kind(host), HostDraftPolicy) and host.estimated:
                 seconds += refresh_host(host, self.functions, self.kv_bucket(0), self.batch_size)
             return seconds
         self._prepared.append(self.policy)
-        if isinstance(policy, AdaptivePolicy):
+        if isinstance(kind(policy), AdaptivePolicy):
             from specgen.pipelines.profile import calibrate
 
             spent = calibrate(policy, self.functions, self.kv_bucket(0), self.batch_size)
             seconds += spent if self.compiled else 0.0     # eager: profiling is part of the run
-        if isinstance(policy, HostDraftPolicy) or (hybrid is not None and hybrid.adaptive):
+        if isinstance(kind(policy), HostDraftPolicy) or (hybrid is not None and hybrid.adaptive):
             from specgen.pipelines.profile import MIN_COMPILE_SECONDS, cold_compile_seconds
 
             cold = max(cold_compile_seconds(self.functions, ("verify", 1)), MIN_COMPILE_SECONDS)
             host = hybrid.host if hybrid is not None else policy
             spent = profile_host(host, self.functions, self.kv_bucket(0), self.batch_size, cold)
             seconds += spent if self.compiled else 0.0
-        if isinstance(policy, FixedPolicy):
+        if isinstance(kind(policy), FixedPolicy):
             k = policy.k
             if not (self.functions.verify_ready(1) if k == 0 else k in self.functions.compiled_ks):
                 seconds += self._compile_variant(k, [])
