@@ -96,11 +96,6 @@ def rows(tensor: torch.Tensor, parts: list[int], tp: TensorParallel, dim: int = 
                      dim=dim).contiguous()
 
 
-def block(tensor: torch.Tensor, tp: TensorParallel, dim: int) -> torch.Tensor:
-    """The r-th of N equal blocks of a tensor along `dim`."""
-    return tensor.chunk(tp.size, dim=dim)[tp.rank].contiguous()
-
-
 def scale_key(key: str) -> str:
     """The block-FP8 scales of a weight kept as FP8 (models/fp8_layers.py): `X.weight` ->
     `X.weight_scale_inv`, a stacked `experts.gate_up_proj` -> `experts.gate_up_proj_scale_inv`."""

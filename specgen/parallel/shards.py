@@ -16,6 +16,7 @@ Contract:
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import re
@@ -40,7 +41,7 @@ def part_files(output: Path) -> list[Path]:
     if not output.parent.is_dir():
         return []
     found = []
-    for path in output.parent.glob(f"{glob_escape(output.name)}.rank-*.part"):
+    for path in output.parent.glob(f"{glob.escape(output.name)}.rank-*.part"):
         match = _PART.search(path.name)
         if match and path.name == part_path(output, int(match.group(1))).name:
             found.append((int(match.group(1)), path))
@@ -54,10 +55,6 @@ def remove_parts(output: Path, from_rank: int = 1) -> None:
         match = _PART.search(part.name)
         if match and int(match.group(1)) >= from_rank:
             part.unlink(missing_ok=True)
-
-
-def glob_escape(name: str) -> str:
-    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def finished_ids(output: Path) -> set[str]:
