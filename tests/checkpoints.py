@@ -1,4 +1,4 @@
-"""Tiny random checkpoints in the REAL layouts of ../shared/reference/checkpoints, scaled down.
+"""Tiny random checkpoints in the REAL layouts of tests/layouts (see its README.md), scaled down.
 
 The configs start from the real files (Llama-3.1-8B-Instruct, EAGLE3-LLaMA3.1-Instruct-8B) and only
 shrink the sizes, so every config field and weight key name our loaders meet here is the real one.
@@ -12,16 +12,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "checkpoints"
-if not REFERENCE.is_dir():  # CI clones main with shared/ beside it; a copy inside works too
-    REFERENCE = Path(__file__).resolve().parents[1] / "shared" / "reference" / "checkpoints"
+# The public checkpoints' config.json files and weight layouts, kept inside the repository
+# (tests/layouts/README.md names each file's source): the one place every test helper reads them from.
+LAYOUTS_DIR = Path(__file__).resolve().parent / "layouts"
 
 SMALL = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
          "num_key_value_heads": 2, "num_hidden_layers": 6, "vocab_size": 96}
 
 
 def reference_config(name: str) -> dict:
-    return json.loads((REFERENCE / name).read_text())
+    return json.loads((LAYOUTS_DIR / name).read_text())
 
 
 def tiny_llama_config(**changes) -> dict:

@@ -1,6 +1,6 @@
 """Tiny random DeepSeek-V3 and Kimi K2.5 checkpoints in the real layouts, scaled down.
 
-The configs start from the real config.json files (../shared/reference/checkpoints) and only shrink
+The configs start from the real config.json files (tests/layouts) and only shrink
 sizes; the weights come from transformers' own `DeepseekV3ForCausalLM` (random, sharpened), written
 under the real key names: per-expert `mlp.experts.{e}.{gate,up,down}_proj.weight`, `mlp.gate.weight`
 + `e_score_correction_bias`, `shared_experts.*`, and the MTP layer `model.layers.{N}.*` (embed_tokens,

@@ -1,4 +1,4 @@
-"""Header-only checkpoints at FULL size, from the weight layouts in ../shared/reference/checkpoints.
+"""Header-only checkpoints at FULL size, from the weight layouts in tests/layouts.
 
 Each file holds a real safetensors header (every key, shape and dtype of the reference layout, the
 real sharding with its `model.safetensors.index.json`) followed by a SPARSE data region: the file
@@ -17,7 +17,7 @@ import re
 import struct
 from pathlib import Path
 
-from checkpoints import REFERENCE
+from checkpoints import LAYOUTS_DIR
 
 ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4,
               "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
@@ -41,9 +41,9 @@ TARGETS = ("llama-3.1-8b", "deepseek-v3", "kimi-k2.5")
 def layout(name: str) -> tuple[dict, dict[str, tuple[list[int], str]]]:
     """(config, {key: (shape, dtype)}) of a reference layout, every pattern expanded."""
     config_file, weights_file, _ = LAYOUTS[name]
-    config = json.loads((REFERENCE / config_file).read_text())
+    config = json.loads((LAYOUTS_DIR / config_file).read_text())
     tensors: dict[str, tuple[list[int], str]] = {}
-    for key, (shape, dtype) in json.loads((REFERENCE / weights_file).read_text())["tensors"].items():
+    for key, (shape, dtype) in json.loads((LAYOUTS_DIR / weights_file).read_text())["tensors"].items():
         for expanded in _ranges(key):
             tensors[expanded] = (list(shape), dtype)
     if name == "deepseek-v3":

@@ -1,6 +1,6 @@
 """`specgen inspect-checkpoint` and the checks that guard every run.
 
-Every reference layout of ../shared/reference/checkpoints, at FULL size, as header-only sparse files
+Every reference layout of tests/layouts, at FULL size, as header-only sparse files
 (header_checkpoints.py): each is identified and validated from its headers alone, reading no byte of
 tensor data. Broken variants (a missing shard, a truncated file, garbage or a cut in the header, a
 missing tensor, a wrong shape, a draft for another vocabulary, layer ids past the target's depth)

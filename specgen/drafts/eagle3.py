@@ -1,6 +1,6 @@
 """EAGLE-3 draft: one 2H-wide decoder layer over fused target features, drafted as a chain.
 
-Checkpoint layouts read (../shared/reference/README.md):
+Checkpoint layouts read (tests/layouts/README.md):
 - the layer under `midlayer.*` (official EAGLE) or `layers.0.*` (speculators / vLLM);
 - `fc.weight [H, 3 * H_target]` over low|mid|high target features, `norm`, `lm_head [Vd, H]`;
 - `d2t [Vd]` OFFSETS (target_id = draft_id + d2t[draft_id]) and `t2d` (ignored: derivable) when the

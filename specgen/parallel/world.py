@@ -13,7 +13,7 @@ the blocks share out the prompts (`dp_rank` of `dp_size`); only a block's first 
 when several ranks share one machine's cores, and pins the rank to them.
 
 specgen runs on torch.distributed as launched by torchrun, never on its own cluster code
-(../shared/DESIGN.md, section 6): the rendezvous, the store, the restarts and the teardown of every
+(DESIGN.md, section 6): the rendezvous, the store, the restarts and the teardown of every
 rank when one dies are torchrun's.
 """
 
