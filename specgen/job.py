@@ -45,7 +45,7 @@ from specgen.data import (PromptRecord, PromptSourceError, ResultsFileError, Res
 from specgen.drafts.forced import JUMP_FORWARD_K
 from specgen.drafts.suffix import SuffixProposer
 from specgen.kernels.block_fp8 import fp8_gemm_supported
-from specgen.machine import choose_threads, cpu_has_avx512, cpu_has_bf16
+from specgen.machine import choose_threads, cpu_has_amx, cpu_has_avx512, cpu_has_bf16
 from specgen.models.tensor_parallel import TensorParallel, rank_shape
 from specgen.parallel.decisions import SharedDecisions
 from specgen.parallel.progress import JobProgress
@@ -157,11 +157,18 @@ def auto_dtype(device: torch.device, compiled: bool = True) -> str:
     """`target.dtype: auto`: bfloat16 on CUDA, on CPUs that multiply it natively (AMX, AVX512-BF16:
     vLLM's CPU backend chooses the same) and, for compiled steps, on other AVX-512 CPUs, where
     specgen's converting kernel (kernels/cpu_bf16_dot.py) makes bf16 steps faster than float32 ones
-    at 1 and 8 slots; eager steps there (`compiled` False) run bf16 through oneDNN, slower than
-    float32 from 2 rows on (README, "Which dtype"). float32 elsewhere (AVX2 alone: unmeasured, and
-    Inductor's bf16 kernel converts every weight twice). Lossless always means against plain
-    decoding in the same dtype."""
-    if device.type == "cuda" or (device.type == "cpu" and (cpu_has_bf16() or (compiled and cpu_has_avx512()))):
+    at 1 and 8 slots; eager steps there (`compiled` False) would run the prefill's bf16 through
+    oneDNN's emulation, slower than float32 (README, "Which dtype"). float32 elsewhere (AVX2 alone:
+    unmeasured, and Inductor's bf16 kernel converts every weight twice), and for compiled steps on
+    AMX CPUs: there Inductor multiplies bf16 with its AMX micro-kernel, whose rows no test of ours
+    has seen on such a CPU, and auto's choice must give plain decoding's very tokens (README, "What
+    is exact where"); their eager steps multiply row-invariantly (kernels/cpu_linear.py) and keep
+    bf16. Lossless always means against plain decoding in the same dtype."""
+    if device.type == "cuda":
+        return "bfloat16"
+    if device.type == "cpu" and compiled and cpu_has_amx():
+        return "float32"
+    if device.type == "cpu" and (cpu_has_bf16() or (compiled and cpu_has_avx512())):
         return "bfloat16"
     return "float32"
 
@@ -463,7 +470,9 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                                      [s.min_p] * b, r.device)
     rules = StopRules(eos, tuple(s.stop), s.ignore_eos,
                       lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-    if compile:
+    if compile or r.device.type == "cpu":
+        # an eager CPU run builds C++ kernels too (kernels/cpu_linear.py, cpu_attention.py): cached
+        # there, once per machine
         use_compile_cache(cache_root() / "compiled")
     policy = None
     if (proposer is not None and recipe.draft.adaptive and draft is None) or jump_only:
@@ -492,7 +501,9 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     device = torch.cuda.get_device_name(r.device) if r.device.type == "cuda" else "cpu"
     dtype = str(r.dtype).removeprefix("torch.")
     if recipe.target.dtype == "auto" and r.device.type == "cpu":
-        dtype += (" (auto: the CPU multiplies bf16 natively)" if cpu_has_bf16() else
+        dtype += (" (auto: compiled steps on AMX, where bf16 GEMMs are not known row-invariant)"
+                  if dtype == "float32" and cpu_has_amx() and compile else
+                  " (auto: the CPU multiplies bf16 natively)" if cpu_has_bf16() else
                   " (auto: AVX-512, bf16 converted in registers)" if dtype == "bfloat16" else
                   " (auto: eager steps, where bf16 converts on this CPU)" if cpu_has_avx512() else
                   " (auto: no AVX-512 on this CPU)")

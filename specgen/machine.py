@@ -91,6 +91,12 @@ def cpu_has_bf16() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Intel Xeon Sapphire Rapids and later): Inductor's
+    compiled bf16 GEMMs there take its AMX micro-kernel, not specgen's (kernels/cpu_bf16_dot.py)."""
+    return "amx_bf16" in cpu_flags()
+
+
 def cpu_has_avx512() -> bool:
     """Whether this CPU has the AVX-512 subsets Inductor's AVX-512 code needs (F, BW, DQ, VL): there
     specgen's compiled bf16 GEMMs run on a kernel of their own, native or converting

@@ -61,9 +61,10 @@ def test_a_query_gets_the_same_bits_whatever_rows_and_cached_length_share_its_ca
     assert torch.equal(first, verify[:1])
 
 
-def test_the_compiled_cpu_step_attends_through_the_kernel(monkeypatch):
-    """Compiled, a row-invariant CPU attention is one call of the op (no Inductor-generated softmax);
-    eager, it is the reference."""
+def test_a_cpu_step_attends_through_the_kernel_compiled_and_eager(monkeypatch):
+    """A row-invariant CPU attention is one call of the op, compiled (no Inductor-generated softmax)
+    and eager (an eager step's rows must not depend on its key bound either), and gives the
+    reference's numbers."""
     from specgen.models.attention import AttentionBatch, KVCache, attend
 
     B, T, Hq, Hkv, D, L = 1, 3, 6, 2, 32, 64
@@ -85,7 +86,10 @@ def test_the_compiled_cpu_step_attends_through_the_kernel(monkeypatch):
 
     monkeypatch.setattr(ca, "decode_attention", counted)
     eager = step(q, k, v, positions, torch.arange(32))
-    assert calls == []
-    compiled = torch.compile(step, fullgraph=True)(q, k, v, positions, torch.arange(32))
     assert calls == [q.shape]
-    torch.testing.assert_close(compiled, eager, rtol=2e-6, atol=2e-6)
+    compiled = torch.compile(step, fullgraph=True)(q, k, v, positions, torch.arange(32))
+    assert calls == [q.shape, q.shape]
+    assert torch.equal(compiled, eager)
+    mask = AttentionBatch.build(positions, None, torch.arange(32), use_kernel=False).mask
+    reference = ak.attention_reference(q, cache.k[0], cache.v[0], None, mask, row_invariant=True)
+    torch.testing.assert_close(eager, reference, rtol=2e-6, atol=2e-6)

@@ -50,14 +50,17 @@ def test_memory_estimate_counts_weights_caches_and_transients():
         assert ("CUDA graph pool" in parts) is graphs
 
 
-@pytest.mark.parametrize(("native", "avx512", "pays"), [(True, True, True), (False, True, True),
-                                                        (False, False, False)])
-def test_the_draft_and_target_run_in_bf16_where_a_bf16_kernel_pays(monkeypatch, native, avx512, pays):
+@pytest.mark.parametrize(("native", "avx512", "amx", "pays"), [(True, True, False, True), (False, True, False, True),
+                                                               (False, False, False, False), (True, True, True, False)])
+def test_the_draft_and_target_run_in_bf16_where_a_bf16_kernel_pays(monkeypatch, native, avx512, amx, pays):
+    """`pays`: compiled steps in bf16. Not on AMX CPUs, where Inductor's AMX kernel would multiply
+    (exact output first: README, "What is exact where"); their eager steps keep bf16."""
     import specgen.job as job
 
     fp32, bf16, cpu = torch.float32, torch.bfloat16, torch.device("cpu")
     monkeypatch.setattr(job, "cpu_has_bf16", lambda: native)
     monkeypatch.setattr(job, "cpu_has_avx512", lambda: avx512)
+    monkeypatch.setattr(job, "cpu_has_amx", lambda: amx)
     assert job.auto_dtype(cpu) == ("bfloat16" if pays else "float32")
     # eager steps (runtime.compile off or too short a job) take bf16 only where it is native
     assert job.auto_dtype(cpu, compiled=False) == ("bfloat16" if native else "float32")

@@ -1,4 +1,4 @@
-"""Row-invariant decode attention for compiled CPU steps: a C++ kernel, built by Inductor's toolchain.
+"""Row-invariant decode attention for CPU steps (compiled and eager): a C++ kernel, built by Inductor's toolchain.
 
 Contract: `decode_attention(q, k_cache, v_cache, positions, key_index, scale)` (also the opaque op
 `specgen::cpu_decode_attention`, which the compiled step calls as one extern node) takes

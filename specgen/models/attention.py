@@ -9,9 +9,9 @@ Contract:
     else is needed and one compiled step serves every length;
   * reference path (CPU, tests): SDPA over the first `kv_len` cache positions with a causal mask
     built once per forward; `key_index` (an arange whose LENGTH is kv_len) carries that bound, so a
-    compiled step can take it as a dynamic size instead of compiling once per length. A compiled
-    step's row-invariant attention takes the C++ kernel of kernels/cpu_attention.py instead (same
-    contract, same bound).
+    compiled step can take it as a dynamic size instead of compiling once per length. A CPU step's
+    row-invariant attention (compiled or eager) takes the C++ kernel of kernels/cpu_attention.py
+    instead (same contract, same bound).
 - `attend(q, k, v, cache, layer, batch)` writes the new K/V at their positions, then attends.
 - `attend_latent(q, entry, cache, layer, batch, scale, latent_dim)` is MLA's absorbed form of it
   over a latent cache (models/mla.py): values are the first `latent_dim` values of each entry.
@@ -102,10 +102,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
     rows = batch.cache_rows(q.shape[0], q.device)
     cache.write(layer, rows, batch.positions, k, v)
     if not batch.use_kernel:
-        if (batch.row_invariant and batch.rows is None and torch.compiler.is_compiling()
+        if (batch.row_invariant and batch.rows is None
                 and cpu_attention.supports(q, cache.k[layer], cache.v[layer])):
-            # compiled CPU step: the C++ kernel keeps the reference's row invariance and reads each
-            # key once for all the rows of its KV head (kernels/cpu_attention.py)
+            # a CPU step, compiled or eager: the C++ kernel keeps the reference's row invariance
+            # (and more: nor does the key bound change a row's sums), and reads each key once for
+            # all the rows of its KV head (kernels/cpu_attention.py)
             return torch.ops.specgen.cpu_decode_attention(
                 q, cache.k[layer], cache.v[layer], batch.positions, batch.key_index,
                 scale if scale is not None else q.shape[-1] ** -0.5)

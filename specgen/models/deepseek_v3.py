@@ -35,6 +35,7 @@ from specgen.models.layers import (
 )
 from specgen.models.mla import LatentAttention, LatentCache, MlaDims
 from specgen.models.moe import MoE, MoeConfig, stack_expert_keys
+from specgen.models.products import Linear
 from specgen.models.protocol import TargetBuilder, TargetShape
 from specgen.models.tensor_parallel import (
     TensorParallel,
@@ -179,7 +180,7 @@ class DeepseekV3ForCausalLM(DecoderTarget):
         self.config = cfg
         self.shape = cfg.shape()
         self.model = DeepseekV3Model(cfg, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope_scale = cfg.mla.rope.attention_factor()

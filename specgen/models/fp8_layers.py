@@ -22,6 +22,7 @@ from torch import nn
 from specgen.errors import CheckpointError
 from specgen.kernels import block_fp8
 from specgen.models.layers import fp8_block_of
+from specgen.models.products import Linear
 from specgen.models.tensor_parallel import ReducedLinear
 
 SCALE = "weight_scale_inv"
@@ -71,7 +72,7 @@ def with_fp8_layers(model: nn.Module, state: dict | None) -> nn.Module:
         elif key.endswith("." + SCALE):
             path = key[: -len("." + SCALE)]
             linear = model.get_submodule(path)
-            if type(linear) not in (nn.Linear, ReducedLinear):
+            if type(linear) not in (nn.Linear, Linear, ReducedLinear):
                 raise CheckpointError(f"{path}: an FP8 weight where specgen's model has a {type(linear).__name__}, "
                                       "which multiplies only dequantised weights")
             parent, _, name = path.rpartition(".")

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgen.models.attention import AttentionBatch, KVCache, attend
+from specgen.models.products import Linear, project
 from specgen.models.tensor_header import ShapeMismatch
 
 
@@ -192,8 +193,8 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -239,8 +240,8 @@ class CachedSelfAttention(nn.Module):
                  bias: bool = False) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.qkv_proj = nn.Linear(in_dim, (heads + 2 * kv_heads) * head_dim, bias=bias)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+        self.qkv_proj = Linear(in_dim, (heads + 2 * kv_heads) * head_dim, bias=bias)
+        self.o_proj = Linear(heads * head_dim, hidden, bias=False)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         # x: [B, T, in_dim] -> q [B, T, Hq, D], k and v [B, T, Hkv, D], RoPE applied to q and k
@@ -306,11 +307,12 @@ def float32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     Verification compares logits from GEMMs with M = B(K+1) rows against plain decoding's M = B;
     they tile differently, and rounding their outputs to bf16 would turn small differences into
     ties that flip. On CUDA the half-precision GEMM accumulates in fp32 and writes fp32
-    (`out_dtype`); on CPU the half-precision case (rare) casts the output."""
+    (`out_dtype`); on CPU the BLAS's half-precision output is cast, and an eager step's
+    row-invariant product (models/products.py) writes fp32 from its accumulators."""
     # hidden: [..., H]; weight: [V, H] -> [..., V] float32
     if weight.dtype == torch.float32:
-        return F.linear(hidden, weight)
+        return project(hidden, weight)
     if hidden.is_cuda:
         flat = hidden.reshape(-1, hidden.shape[-1])
         return torch.mm(flat, weight.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], -1)
-    return F.linear(hidden, weight).float()
+    return project(hidden, weight, out_dtype=torch.float32)

@@ -30,6 +30,7 @@ from specgen.models.layers import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from specgen.models.products import Linear
 from specgen.models.protocol import TargetBuilder, TargetShape
 from specgen.models.tensor_parallel import TensorParallel, llama_sharded, rank_shape, reduced, shard_fused_state
 
@@ -130,7 +131,7 @@ class LlamaForCausalLM(DecoderTarget):
         for layer in self.model.layers:
             layer.self_attn.o_proj = reduced(layer.self_attn.o_proj, tp)
             layer.mlp.down_proj = reduced(layer.mlp.down_proj, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, two names
         self.register_buffer("inv_freq", self._inv_freq(), persistent=False)

@@ -31,6 +31,7 @@ from torch import nn
 
 from specgen.models.attention import AttentionBatch, attend_latent
 from specgen.models.layers import RMSNorm, RopeSettings, apply_rope, apply_rope_interleaved
+from specgen.models.products import Linear, project_heads
 
 # Above this many queries per row the reference path expands K/V per head instead of absorbing.
 ABSORB_MAX_QUERIES = 16
@@ -124,15 +125,15 @@ class LatentAttention(nn.Module):
         self.dims = d
         q_out = d.num_heads * d.qk_head_dim
         if d.q_lora_rank is None:
-            self.q_proj = nn.Linear(in_dim, q_out, bias=False)
+            self.q_proj = Linear(in_dim, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(in_dim, d.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(in_dim, d.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(d.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(d.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(in_dim, d.latent_dim, bias=bias)
+            self.q_b_proj = Linear(d.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(in_dim, d.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(d.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(d.num_heads * d.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = Linear(d.kv_lora_rank, d.num_heads * (d.qk_nope_head_dim + d.v_head_dim), bias=False)
+        self.o_proj = Linear(d.num_heads * d.v_head_dim, hidden, bias=bias)
         self.scale = d.softmax_scale()
 
     def _rope(self, x, cos, sin):
@@ -171,10 +172,10 @@ class LatentAttention(nn.Module):
     def _absorbed(self, q_nope, q_rope, entry, cache, layer, batch):
         # -> [B, T, H, dv]: multi-query attention over the cached latents themselves
         w_uk, w_uv = self._up_weights()
-        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)
+        q_latent = project_heads(q_nope, w_uk.transpose(1, 2))
         q = torch.cat((q_latent, q_rope), dim=-1)
         out = attend_latent(q, entry, cache, layer, batch, self.scale, self.dims.kv_lora_rank)
-        return torch.einsum("bthr,hvr->bthv", out, w_uv)
+        return project_heads(out, w_uv)
 
     def _expanded(self, q_nope, q_rope, entry, cache, layer, batch):
         # -> [B, T, H, dv]: per-head keys and values rebuilt from the latents of the rows' first

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specgen.models.layers import GatedMLP, fuse_rows, fuse_scale_rows
+from specgen.models.products import project
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +109,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # x: [N, H] -> weights [N, k] float32, experts [N, k] int64
         c = self.cfg
-        logits = F.linear(x.float(), self.weight.float())
+        logits = project(x.float(), self.weight.float())
         scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         choice = scores + self.e_score_correction_bias.float() if c.topk_method == "noaux_tc" else scores
         if c.n_group > 1 and c.topk_group < c.n_group:

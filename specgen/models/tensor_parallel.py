@@ -35,10 +35,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specgen.models.layers import fp8_block_of
+from specgen.models.products import project
 from specgen.models.tensor_header import ShapeMismatch
 
 
@@ -66,7 +66,7 @@ class ReducedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed import _functional_collectives as funcol
 
-        partial = F.linear(x, self.weight)
+        partial = project(x, self.weight)
         total = funcol.all_reduce(partial, "sum", self.group)
         return total if self.bias is None else total + self.bias
 

@@ -53,6 +53,7 @@ import torch._inductor.config as inductor_config
 
 from specgen.kernels.cpu_bf16_products import float32_products
 from specgen.machine import cpu_has_bf16
+from specgen.models.products import row_invariant_products
 from specgen.pipelines.cpu_gemm import CPU_FROZEN_SETTINGS, use_cpu_gemm_template
 from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep, _floating_dtype
 from specgen.sampling import SamplingTensors
@@ -253,6 +254,18 @@ class StepFunctions:
             self._prefill = _under_settings(
                 torch.compile(own_code(unified.prefill), fullgraph=True, dynamic=None), self.frozen, self.device)
 
+    def _eager(self, fn):
+        """`fn` run eagerly: on CPU with the row-invariant products of models/products.py (a step's
+        GEMMs through the BLAS give a row other bits beside other rows; the compiled step's C++
+        template does not)."""
+        if self.device.type != "cpu":
+            return fn
+
+        def invariant(*args):
+            with row_invariant_products():
+                return fn(*args)
+        return invariant
+
     def _compile(self, fn):
         # The modules' attributes never change during a run (weights are fixed, flags set at build):
         # Dynamo's guards on them would be walked at every call for nothing (about 0.6 ms a call on a
@@ -313,7 +326,7 @@ class StepFunctions:
         fn = self._verifies.get(t)
         if fn is None:
             verify = self.unified.verify_block
-            fn = self._verifies[t] = self._compile(verify) if self.compiled else verify
+            fn = self._verifies[t] = self._compile(verify) if self.compiled else self._eager(verify)
         return self._timed(("verify", t), fn, state, caches, sampling, self.key_index(kv_len), rows)
 
     def step(self, kv_len: int, window: int, k: int, between=None) -> torch.Tensor:
@@ -350,7 +363,7 @@ class StepFunctions:
         unified = self.unified
         state, caches, sampling = self._rows
         if not self.compiled:
-            unified.draft_block(state, caches, sampling, self.key_index(kv_len), self._window(window), k)
+            self._eager(unified.draft_block)(state, caches, sampling, self.key_index(kv_len), self._window(window), k)
             return
         fn = self._steps.get(k)
         if fn is None:

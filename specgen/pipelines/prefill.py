@@ -1,10 +1,17 @@
 """Host-side planning of batched prefill: which prompts go together, padded how, in which chunks.
 
-Contract: `plan_prefill(items, chunk=, budget=)` takes the prompts admitted into free slots and returns
-the calls to make, in order. Prompts are sorted by length and grouped so that one call pads little
-(rows of similar length: padding is at most a quarter of a call's tokens) and holds at most
-`budget` padded tokens; a prompt longer than `chunk`
-tokens is split into chunks, and chunk r of every prompt of a group goes into the group's r-th call.
+Contract: `plan_prefill(items, chunk=, budget=, alone=)` takes the prompts admitted into free slots and
+returns the calls to make, in order. Prompts are sorted by length and grouped so that one call pads
+little (rows of similar length: padding is at most a quarter of a call's tokens) and holds at most
+`budget` padded tokens; a prompt longer than `chunk` tokens is split into chunks (at positions 0,
+chunk, 2 chunk, ...), and chunk r of every prompt of a group goes into the group's r-th call.
+With `alone` every prompt is a group of its own: its calls, their shapes and so every bit they
+compute (its cache entries, its first token's logits) depend on the prompt alone, never on which
+prompts were admitted beside it, when, or how long they are. The runner asks for that on CPU, where
+a GEMM's row, and SDPA's, comes out with other bits in a call of other shapes (kernels/cpu_linear.py)
+and which prompts share an admission follows the slots' finishing order: speculative and plain
+jobs, or one job at two batch sizes, would prefill a prompt differently. A group buys a CPU little
+(a call of one prompt's rows is already compute-bound); on CUDA calls are grouped.
 All calls of one admission run back to back, before the next step: a slot whose prompt is only half
 written is inactive, and an inactive slot's step writes scratch at its first positions.
 
@@ -45,10 +52,13 @@ def _padded(n: int) -> int:
 
 
 def plan_prefill(items: list[PrefillItem], *, chunk: int, budget: int,
-                 max_padding: float = 0.25) -> list[PrefillCall]:
+                 max_padding: float = 0.25, alone: bool = False) -> list[PrefillCall]:
     """Calls for `items`: groups of similar length (the padding that grouping adds is at most
-    `max_padding` of a call's tokens) of at most `budget` padded tokens, in chunks of `chunk`."""
+    `max_padding` of a call's tokens) of at most `budget` padded tokens, in chunks of `chunk`;
+    `alone`: a group per prompt."""
     assert chunk % PAD_MULTIPLE == 0, f"the prefill chunk must be a multiple of {PAD_MULTIPLE}"
+    if alone:
+        return [call for item in items for call in _chunked([item], chunk)]
     calls: list[PrefillCall] = []
     group: list[PrefillItem] = []
     own = 0           # the group's tokens, each row padded to its own width: what grouping cannot save

@@ -215,6 +215,9 @@ class Runner:
         kind = "cuda" if device.type == "cuda" else "cpu"
         self.prefill_chunk = prefill_chunk or PREFILL_CHUNK[kind]
         self.prefill_budget = max(prefill_budget or PREFILL_BUDGET[kind], self.prefill_chunk)
+        # on CPU each prompt is prefilled alone, its keys bounded by its own length: its cache and
+        # first token are then the same bits whoever shares its admission (pipelines/prefill.py)
+        self.prefill_alone = kind == "cpu"
         self.functions = StepFunctions(step, self.state, self.caches, sampling, device=device,
                                        compile=compile)
         self._compiled = self.functions.compiled
@@ -741,8 +744,12 @@ class Runner:
         if top is not None:
             for item in items:
                 self._prompt_logprobs[item.slot] = [None] * len(item.prompt)
-        for call in plan_prefill(items, chunk=self.prefill_chunk, budget=self.prefill_budget):
-            key_index = self.functions.key_index(self.kv_bucket(call.start + call.width))
+        for call in plan_prefill(items, chunk=self.prefill_chunk, budget=self.prefill_budget,
+                                 alone=self.prefill_alone):
+            end = call.start + call.width
+            bound = (min(-(-end // CPU_KV_GRANULE) * CPU_KV_GRANULE, self.alloc_len - 1) if self.prefill_alone
+                     else self.kv_bucket(end))
+            key_index = self.functions.key_index(bound)
             batch = pack(call, self.alloc_len, key_index, self.device)
             hidden = self.functions.prefill(batch)
             self.totals.prefill_calls += 1
