@@ -48,10 +48,11 @@ class OracleCache:
 class OracleProposals(torch.nn.Module):
     """A real draft whose every pass runs, with its picks replaced by the reference continuation."""
 
-    def __init__(self, draft, references: dict[tuple, list[int]]) -> None:
+    def __init__(self, draft, references: dict[tuple, list[int]], vocab: int = VOCAB) -> None:
         super().__init__()
         self.draft = draft                 # a submodule: its parameters give the step the draft's dtype
         self.references = references       # prompt[1:] -> prompt + plain output
+        self.vocab = vocab                 # a spoiled token is the right one + 1, modulo this
         self.num_speculative_tokens = draft.num_speculative_tokens
         self.aux_layer_ids = draft.aux_layer_ids
 
@@ -67,7 +68,7 @@ class OracleProposals(torch.nn.Module):
 
         def oracle(logits, where):
             # logits [B, V] (the draft's own, unused); where [B]: the drafted token's position
-            return spoiled(table[rows, where], where, VOCAB), None
+            return spoiled(table[rows, where], where, self.vocab), None
 
         return self.draft.propose(aux, next_tokens, positions, last_index, cache.inner, attn, oracle, k)
 

@@ -189,6 +189,34 @@ def test_mixed_batch_unconstrained_rows_are_untouched(models):
     assert follows("regex", mixed["p1"][1]) and follows("choice", mixed["p3"][1])
 
 
+@pytest.mark.parametrize("with_draft", [False, True], ids=["plain", "eagle3"])
+def test_narrowing_moves_a_free_request_into_a_finished_structured_slot(models, with_draft):
+    """Issue 68 (eager, batch 4): two choices in slots 0 and 1 end first, while a JSON schema (slot 2)
+    is still being written; the run's tail then narrows to two slots, moving the JSON request to slot
+    0 and the free one (slot 3) to slot 1, the finished choice's slot. The test above never has a
+    structured slot alive when the tail narrows, so no mask is written after the move. Here one is:
+    the mask rows the choice left behind (one token allowed: here its "e", which the free request
+    then wrote to its end) must not reach the free request."""
+    target, draft = models
+    ids = prompt_ids(10)[:4]        # the last one runs to max_tokens alone (prompt_ids(4)'s stops at once)
+    formats = [{"type": "choice", "choices": ["yes", "no"]}] * 2 + [FORMATS["json_schema"], None]
+    recipe = (make_recipe(target, draft, k=2, batch=4, ignore_eos=False) if with_draft
+              else make_recipe(target, batch=4, ignore_eos=False))
+    alone = generate(structured_runner(recipe), ids[3:], [None])["p0"]
+    runner = structured_runner(recipe)
+    mixed = generate(runner, ids, formats)
+    assert all(mixed[f"p{i}"][2] == "stop" for i in range(3))
+    assert follows("choice", mixed["p0"][1]) and follows("choice", mixed["p1"][1])
+    assert follows("json_schema", mixed["p2"][1])
+    # the scenario: the JSON request outlived both choices (it was live, masked, after the narrowing)
+    assert len(mixed["p2"][0]) > 2 * max(len(mixed["p0"][0]), len(mixed["p1"][0]))
+    assert len(alone[0]) > len(mixed["p2"][0])                 # ... and the free one outlived it
+    assert runner.width < runner.batch_size                     # the tail did narrow
+    assert mixed["p3"] == alone
+    # every slot holds no grammar now: its mask rows allow everything, on the host and the device
+    assert (runner._host_masks == -1).all() and (runner.state.token_masks == -1).all()
+
+
 def test_a_malformed_format_fails_its_own_request_only(models):
     target, _ = models
     ids = prompt_ids(3)

@@ -394,6 +394,9 @@ class Runner:
     def _loop(self, pending: Iterator[Request], finish, totals: RunTotals) -> None:
         self.state.active.zero_()                       # an interrupted run may have left slots live
         self._grammars.clear()
+        if self._host_masks is not None:                # ... and structured slots' mask rows
+            self._host_masks.fill_(-1)
+            self.state.token_masks.fill_(-1)
         if self.width != self.batch_size:               # a previous run ended narrowed
             self.width = self.batch_size
             self.functions.use_slots(self.batch_size)
@@ -476,7 +479,9 @@ class Runner:
     def _write_masks(self, k: int) -> None:
         """The token masks of the k + 1 rows each structured slot verifies: row i allows what its
         grammar allows after the committed tokens and the drafts before row i (read from `pending`,
-        after the draft and before the verify). Other slots' rows allow everything."""
+        after the draft and before the verify). Other slots' rows allow everything: every host row
+        is copied, in one transfer, so a slot without a grammar must have all-allowed host rows (reset
+        on release, moved with its slot by `_narrow`, set at admission)."""
         if not self._grammars:
             return
         start = time.perf_counter()
@@ -554,7 +559,11 @@ class Runner:
             self.gaps[dst] = self.gaps[src]
             if src in self._grammars:
                 self._grammars[dst] = self._grammars.pop(src)
+            if self._host_masks is not None:
+                # every moved slot's rows move with it (the device's moved above), structured or not:
+                # `dst` may hold the rows of a finished structured request (issue 68)
                 self._host_masks[dst] = self._host_masks[src]
+                self._free_masks(src)
             self.policy.move(src, dst)
             if self.proposer is not None:
                 self.proposer.move(src, dst)
@@ -630,11 +639,19 @@ class Runner:
         finish(self._completion(slots[b]))
         slots[b] = None
         self._grammars.pop(b, None)
+        self._free_masks(b)
         if self.proposer is not None:
             self.proposer.finish(b)
         # The device would stop the slot only at its length limit; a stop string or EOS ends it here
         # (queued behind any step already in flight, which then runs it once more, harmlessly).
         self.state.active[b] = False
+
+    def _free_masks(self, b: int) -> None:
+        """Slot b holds no grammar: its rows allow everything, on the host (`_write_masks` copies
+        every slot's host rows) and on the device."""
+        if self._host_masks is not None:
+            self._host_masks[b].fill_(-1)
+            self.state.token_masks[b].fill_(-1)
 
     # -- admission ------------------------------------------------------------------------------------
 
