@@ -383,10 +383,11 @@ class ResultsFileError(Exception):
     """A results file given to read from (`draft.suffix_history`) cannot be used; names the line."""
 
 
-def read_answer_ids(path: Path) -> list[list[int]]:
+def read_answer_ids(path: Path, vocab_size: int | None = None) -> list[list[int]]:
     """The `token_ids` of every answer in a results file (this writer's JSONL), in file order. Error
     records and empty answers are skipped, and so is a torn last line (a killed run's); any other
-    line that is not a result is a `ResultsFileError` naming it."""
+    line that is not a result, or (given `vocab_size`, the target's) holds an id outside the
+    vocabulary, is a `ResultsFileError` naming it."""
     if not path.is_file():
         raise ResultsFileError(f"{path}: not found")
     answers: list[list[int]] = []
@@ -405,6 +406,10 @@ def read_answer_ids(path: Path) -> list[list[int]]:
                                                 for t in ids):
             raise ResultsFileError(f"{path.name} line {n}: not a result (its token_ids must be a list of "
                                    "token ids)")
+        outside = next((t for t in ids if t >= vocab_size), None) if vocab_size is not None else None
+        if outside is not None:
+            raise ResultsFileError(f"{path.name} line {n}: token id {outside} is outside the target's vocabulary "
+                                   f"of {vocab_size} tokens (ids 0..{vocab_size - 1})")
         if ids:
             answers.append(ids)
     return answers

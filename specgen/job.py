@@ -106,6 +106,8 @@ class Resolved:
     draft_folder: Path | None
     draft_config: dict | None
     draft_dtype: torch.dtype                 # the draft's (the target's unless draft.dtype says)
+    # `draft.suffix_history`'s answers, read and checked against the target's vocabulary (None: not asked)
+    suffix_history: list[list[int]] | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -125,7 +127,7 @@ def resolve(recipe: Recipe) -> Resolved:
     try:
         folder = resolve_checkpoint(recipe.target.model, needs_weights=not dummy)
         config = with_overrides(read_config(folder), recipe.target.hf_overrides)
-        target_config(config, str(folder / "config.json"))  # fails early on a config we can't read
+        cfg = target_config(config, str(folder / "config.json"))  # fails early on a config we can't read
         draft_folder = draft_cfg = None
         if recipe.draft.enabled:
             check_pairing(architecture_name(config), recipe.draft.method)
@@ -138,8 +140,20 @@ def resolve(recipe: Recipe) -> Resolved:
     dtype = DTYPES[dtype_name]
     resolved = Resolved(device, dtype, folder, config, draft_folder, draft_cfg,
                         draft_dtype(recipe.draft.dtype, dtype, device))
+    resolved.suffix_history = read_suffix_history(recipe, cfg.vocab_size)
     check_checkpoints(recipe, resolved)
     return resolved
+
+
+def read_suffix_history(recipe: Recipe, vocab_size: int) -> list[list[int]] | None:
+    """`draft.suffix_history`'s answers where a host draft uses them (None elsewhere); a line that is
+    not a result, or holds an id outside the target's vocabulary, is an `InputError` naming it."""
+    if recipe.draft.host_method is None or recipe.draft.suffix_history is None:
+        return None
+    try:
+        return read_answer_ids(Path(recipe.draft.suffix_history), vocab_size)
+    except ResultsFileError as err:
+        raise InputError(f"draft.suffix_history: {err}") from None
 
 
 def draft_dtype(name: str, target_dtype: torch.dtype, device: torch.device, compiled: bool = True) -> torch.dtype:
@@ -412,10 +426,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     if recipe.draft.host_method is not None:
         history = ()
         if recipe.draft.suffix_history is not None:
-            try:
-                history = read_answer_ids(Path(recipe.draft.suffix_history))
-            except ResultsFileError as err:
-                raise InputError(f"draft.suffix_history: {err}") from None
+            history = r.suffix_history if r.suffix_history is not None else \
+                read_suffix_history(recipe, target_config(r.target_config).vocab_size)
             notes.append(f"draft.suffix_history: the job-wide suffix index starts from {len(history)} answers "
                          f"of {recipe.draft.suffix_history}")
         proposer = SuffixProposer(b, history=history)

@@ -14,7 +14,10 @@ import torch
 from test_deepseek_pairings import recipe as deepseek_recipe
 from test_deepseek_pairings import write_pairings
 from test_speculative import models, prompts, run, runner_for  # noqa: F401 (models: a fixture)
+from typer.testing import CliRunner
 
+from specgen.cli import app
+from specgen.data import ResultsFileError, read_answer_ids, stats_path
 from specgen.drafts.suffix import NO_PROPOSAL, Proposal, SuffixIndex, SuffixProposer
 from specgen.job import InputError
 from specgen.pipelines.host_policy import REMEASURE_FIRST, HostDraftPolicy
@@ -240,6 +243,52 @@ def test_a_run_starts_from_earlier_answers_only_where_asked(models, tmp_path):
     with pytest.raises(RecipeError, match="draft.suffix_history: applies to suffix drafting only"):
         recipe_from_dict({"target": {"model": "x"},
                           "draft": {"method": "mtp", "suffix_history": str(results)}})
+
+
+def test_the_history_reader_names_the_line_of_an_id_outside_the_vocabulary(tmp_path):
+    results = tmp_path / "old.jsonl"
+    results.write_text(json.dumps({"id": "a", "token_ids": [5, 95]}) + "\n\n"
+                       + json.dumps({"id": "b", "token_ids": [7, 96, 8]}) + "\n")
+    assert read_answer_ids(results) == [[5, 95], [7, 96, 8]]          # no vocabulary given: no check
+    assert read_answer_ids(results, vocab_size=97) == [[5, 95], [7, 96, 8]]
+    with pytest.raises(ResultsFileError, match=r"^old\.jsonl line 3: token id 96 is outside the target's "
+                                               r"vocabulary of 96 tokens \(ids 0\.\.95\)$"):
+        read_answer_ids(results, vocab_size=96)
+
+
+def test_a_history_id_outside_the_vocabulary_stops_the_run_before_any_model_loads(models, tmp_path, monkeypatch):
+    """`specgen run` with a `draft.suffix_history` holding an id the target's embedding lacks: exit 2
+    naming the file, the line and the vocabulary, before anything loads (not a failed lookup, or a
+    device assert on CUDA, once the id is proposed)."""
+    import specgen.job
+
+    target, _ = models      # a vocabulary of 96 ids
+    history = tmp_path / "old.jsonl"
+    history.write_text(json.dumps({"id": "a", "token_ids": [5, 6, 7]}) + "\n"
+                       + json.dumps({"id": "e", "token_ids": [], "finish_reason": "error"}) + "\n"
+                       + json.dumps({"id": "b", "token_ids": [5, 6, 50000]}) + "\n")
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(json.dumps({"id": "p", "prompt": "hello"}) + "\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(json.dumps({
+        "target": {"model": str(target), "dtype": "float32"},
+        "draft": {"method": "suffix", "num_speculative_tokens": 3, "suffix_history": str(history)},
+        "sampling": {"max_tokens": 8, "ignore_eos": True, "seed": 7},
+        "runtime": {"device": "cpu", "batch_size": 1, "max_seq_len": 96, "compile": False},
+        "chat_template": False}))
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    for name in ("load_target", "load_draft", "load_tokenizer"):
+        monkeypatch.setattr(specgen.job, name, no_loading)
+    out = tmp_path / "out" / "results.jsonl"
+    result = CliRunner().invoke(app, ["run", str(recipe), "--prompts", str(prompts_file), "--output", str(out)],
+                                terminal_width=200)
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert ("draft.suffix_history: old.jsonl line 3: token id 50000 is outside the target's vocabulary of 96 "
+            "tokens (ids 0..95)") in " ".join(result.output.split()), result.output
+    assert not out.exists() and not stats_path(out).exists()
 
 
 def test_compiled_suffix_steps_keep_the_plain_output(models):
