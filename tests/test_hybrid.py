@@ -15,6 +15,7 @@ from test_deepseek_pairings import write_pairings
 from test_speculative import models, prompts, run, runner_for  # noqa: F401 (models: a fixture)
 from test_suffix import plain_recipe, proposal, repeated_prompts
 
+from specgen.parallel.decisions import SharedDecisions
 from specgen.pipelines.host_policy import REMEASURE_FIRST, HostDraftPolicy
 from specgen.pipelines.hybrid_policy import HybridPolicy
 from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy
@@ -228,3 +229,40 @@ def test_a_hybrid_measures_again_the_host_step_its_measured_cost_forbids(monkeyp
     policy.observe_step(3, 2, 0.0112)
     assert host.cost(3, 2) == pytest.approx(0.0112)
     assert policy.decide(0, strong, 2, {3}, compiled=False).host_only
+
+
+class _FakeCopy:
+    """A tensor-parallel copy's World as SharedDecisions sees it: the first rank's answer is this one's."""
+
+    def from_tp_leader(self, value):
+        return value
+
+
+def test_under_tensor_parallel_each_policy_hears_each_block_once(monkeypatch):
+    """job.py wraps an adaptive hybrid's model policy and the hybrid itself in SharedDecisions (one k
+    per step for the copy's ranks); the model policy must still hear each block, admit and move once
+    (twice, its acceptance decayed twice as fast and a moved slot lost its own figures)."""
+    fixed_costs(monkeypatch)
+    calls = []
+    for cls in (AdaptivePolicy, HostDraftPolicy):
+        for name in ("admit", "move"):
+            def spy(self, *args, _original=getattr(cls, name), _name=name):
+                calls.append((type(self).__name__, _name, args))
+                return _original(self, *args)
+            monkeypatch.setattr(cls, name, spy)
+    hybrid = hybrid_policy(adaptive=True, acceptance=0.6)
+    model = hybrid.model
+    hybrid.model = SharedDecisions(hybrid.model, _FakeCopy())      # as job.py does
+    policy = SharedDecisions(hybrid, _FakeCopy())
+    policy.admit(0)
+    assert sorted(calls) == [("AdaptivePolicy", "admit", (0,)), ("HostDraftPolicy", "admit", (0,))]
+    plan = policy.decide(2, {0: proposal(0.2)}, 1, {3}, compiled=False)
+    assert (plan.k, plan.host_only, plan.use) == (2, False, set())
+    policy.observe_block(0, 2, 1)
+    # one block of 2 drafts, 1 accepted: positions 1 and 2 tried once, position 1 accepted once
+    assert (model._job.attempts, model._job.accepts) == ([1.0, 1.0, 0.0], [1.0, 0.0, 0.0])
+    assert (model._slots[0].attempts, model._produced) == ([1.0, 1.0, 0.0], 2)
+    calls.clear()
+    policy.move(0, 1)
+    assert sorted(calls) == [("AdaptivePolicy", "move", (0, 1)), ("HostDraftPolicy", "move", (0, 1))]
+    assert model._slots[1].attempts == [1.0, 1.0, 0.0] and 0 not in model._slots    # the slot's own figures moved

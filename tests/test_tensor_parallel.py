@@ -171,6 +171,57 @@ def test_mtp_on_a_split_deepseek_target_is_lossless(deepseek_job, expert_paralle
     assert sum(r["spec"]["num_drafts"] for r in spec.values()) > 0
 
 
+# name -> (the job's fixture, draft.method, expert parallel)
+ORACLE_JOBS = {"llama-eagle3": ("job", "eagle3", False), "deepseek-ep-mtp": ("deepseek_job", "mtp", True)}
+
+
+@pytest.mark.parametrize("name", list(ORACLE_JOBS))
+def test_auto_k_is_one_k_per_step_on_every_rank_while_drafts_are_accepted(request, name):
+    """`num_speculative_tokens: auto` on a split target, its draft's picks the tokens plain decoding
+    emits, spoiled at chosen positions (tp_worker.py oracle-job), so blocks are accepted and the
+    policy's estimates move: every rank runs the same k at every step (each times its own steps;
+    the copy's first rank decides, parallel/decisions.py) and the output is the single-process
+    plain output."""
+    from specgen.job import run_job
+    from specgen.recipe import recipe_from_dict
+
+    fixture, method, expert_parallel = ORACLE_JOBS[name]
+    root, target, drafts, prompts = request.getfixturevalue(fixture)
+
+    def recipe(draft, tp):
+        return {"target": {"model": str(target), "dtype": "float32"}, "draft": draft,
+                "sampling": {"max_tokens": 12, "seed": 3, "ignore_eos": True},
+                "runtime": {"device": "cpu", "batch_size": 3, "max_seq_len": 128, "threads": 1,
+                            "compile": False, "tensor_parallel_size": tp,
+                            "expert_parallel": expert_parallel and tp > 1},
+                "chat_template": False}
+
+    plain_out, out = root / f"oracle-plain-{name}.jsonl", root / f"oracle-auto-{name}.jsonl"
+    threads = torch.get_num_threads()
+    try:        # the single-process plain output, in this process
+        run_job(recipe_from_dict(recipe({"method": "none"}, 1)), prompts=str(prompts), output=str(plain_out),
+                resume=False)
+    finally:
+        torch.set_num_threads(threads)
+    draft = {"method": method, "num_speculative_tokens": "auto"}
+    if drafts.get(method) is not None:
+        draft["model"] = str(drafts[method])
+    path = root / f"oracle-auto-{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe(draft, 2)))
+    run([*TORCHRUN, str(TESTS / "tp_worker.py"), "oracle-job", str(path), str(prompts), str(out), str(plain_out)])
+    plain = {r["id"]: r["token_ids"] for r in map(json.loads, plain_out.read_text().splitlines())}
+    spec = {r["id"]: r["token_ids"] for r in map(json.loads, out.read_text().splitlines())}
+    assert len(plain) == 6 and spec == plain
+    stats = json.loads((root / f"{out.name}.stats.json").read_text())
+    assert "tensor parallel: rank 0 of 2" in stats["header"] and "K=auto" in stats["header"], stats["header"]
+    ks = [json.loads((root / f"{out.name}.k-rank-{r}.json").read_text()) for r in range(2)]
+    assert stats["spec"]["num_accepted_tokens"] > 0, (stats["spec"], ks)
+    assert ks[0] == ks[1], ks
+    # the steps logged are the job's (its statistics count the first rank's)
+    k_steps = stats["speculation"]["k_steps"]
+    assert any(ks[0]) and k_steps == [ks[0].count(k) for k in range(len(k_steps))], (k_steps, ks)
+
+
 def test_inspect_and_the_memory_check_count_one_ranks_share(targets):
     from specgen.inspection.report import inspect_checkpoint
 

@@ -7,6 +7,11 @@ fixed batch, and writes the float32 logits it computed to OUT_FOLDER/<mode>-rank
 holds the whole logits: they must all agree). Without torchrun (`single`, `single+fp8`) it runs the
 whole target in this one process and writes OUT_FOLDER/<mode>.pt. One process serves every mode: the
 imports and the process group are paid once.
+
+`tp_worker.py oracle-job RECIPE PROMPTS OUTPUT PLAIN`: this rank's part of `specgen run RECIPE` (the
+library call), its draft's picks replaced by the tokens of PLAIN (a plain run's results) spoiled at
+chosen positions (test_oracle_drafts.OracleProposals), so blocks are accepted; it writes the k of
+every step this rank ran to OUTPUT.k-rank-<rank>.json.
 """
 
 from __future__ import annotations
@@ -34,7 +39,43 @@ def forward_twice(model, vocab: int) -> torch.Tensor:
     return torch.cat((first, second), dim=1)
 
 
+def oracle_job(recipe: str, prompts: str, output: str, plain: str) -> None:
+    import json
+
+    import specgen.job as job
+    from specgen.parallel.world import World
+    from specgen.pipelines.runner import Runner
+    from specgen.recipe import load_recipe
+    from test_oracle_drafts import OracleProposals
+
+    answers = {r["id"]: r["token_ids"] for r in map(json.loads, Path(plain).read_text().splitlines())}
+    references: dict[tuple, list[int]] = {}     # prompt[1:] -> prompt + plain output (OracleProposals)
+    requests, load_draft, issue = job._requests, job.load_draft, Runner._issue
+    ks: list[int] = []
+
+    def known_requests(*args):      # each request's reference, before the runner admits it
+        for request in requests(*args):
+            references[tuple(request.prompt_ids[1:])] = request.prompt_ids + answers[request.id]
+            yield request
+
+    def oracle_draft(*args, device, **kwargs):
+        draft = load_draft(*args, device=device, **kwargs)
+        return draft if str(device) == "meta" else OracleProposals(draft, references)
+
+    def logged_issue(self, *args):
+        k, timed = issue(self, *args)
+        ks.append(k)
+        return k, timed
+
+    job._requests, job.load_draft, Runner._issue = known_requests, oracle_draft, logged_issue
+    world = World.from_env()
+    job.run_job(load_recipe(recipe), prompts=prompts, output=output, world=world)
+    Path(f"{output}.k-rank-{world.rank}.json").write_text(json.dumps(ks))
+
+
 def main() -> None:
+    if sys.argv[1] == "oracle-job":
+        return oracle_job(*sys.argv[2:])
     folder, out, modes = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3].split(",")
     torch.set_num_threads(1)
     config = read_config(folder)

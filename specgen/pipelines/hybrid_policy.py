@@ -56,13 +56,20 @@ class HybridPolicy:
         none (a pinned K)."""
         self.model, self.host = model, host
         self.adaptive = isinstance(model, AdaptivePolicy)
-        self.estimator = model if self.adaptive else estimator
+        self._estimator = None if self.adaptive else estimator
         assert self.estimator is not None, "a pinned K needs an acceptance estimator"
         self.k = self.k_max = model.k_max if self.adaptive else model.k
         self.plan = Plan(0)
         self.steps = {"plain": 0, "model": 0, "mixed": 0, "host": 0}   # mixed: some slots took the host's
         self.held_back = 0        # model steps its policy chose that fell short of the margin: plain
         self.blocks = {"model": 0, "host": 0}
+
+    @property
+    def estimator(self) -> AdaptivePolicy:
+        """The model's acceptance: an adaptive model's policy itself, read through `self.model` so that
+        a wrapper put there later (parallel/decisions.py under tensor parallelism) is the same object,
+        and each block, admit and move reaches the policy once; a pinned K's estimator otherwise."""
+        return self.model if self.adaptive else self._estimator
 
     # -- what the runner asks -----------------------------------------------------------------------
 
