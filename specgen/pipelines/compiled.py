@@ -375,6 +375,14 @@ class StepFunctions:
             torch.compiler.cudagraph_mark_step_begin()
         self._timed(("step", k), fn, state, caches, sampling, self.key_index(kv_len), self._window(window))
 
+    def catch_up(self, kv_len: int, window: int) -> None:
+        """The draft absorbs the committed positions it has not read (up to `window` back) and proposes
+        nothing (`draft_block` with k = 0): the runner's call before a step without the draft would
+        leave a slot further behind than the ring holds. Eager, even in a compiled run: it runs at
+        most once per `max_window` positions, and a graph of its own would cost a compile."""
+        state, caches, sampling = self._rows
+        self._eager(self.unified.draft_block)(state, caches, sampling, self.key_index(kv_len), self._window(window), 0)
+
     def _window(self, window: int) -> torch.Tensor:
         # at least 2 rows: the window is then never 1, a size compilers treat apart (a row past a
         # slot's gap is harmless scratch)

@@ -539,10 +539,11 @@ class AdaptivePolicy:
         auto ran plain throughout). The interval doubles with every recheck (up to RECHECK_MAX
         times max_interval), so a k that keeps losing costs the job a few steps in total; a k that
         wins resets it. A recheck waits
-        until every live slot's draft can catch up within its window (after a plain run longer than
-        that, the positions before it would stay unread in the draft's cache for the rest of the
-        request: at one slot, it waits for the next request's first steps), and is made only where
-        it costs at most 2% of what the job still has to run."""
+        until every live slot's draft can catch up within its window (the runner keeps every slot
+        within it: before a plain step would leave a draft further behind, the draft absorbs alone,
+        runner._issue; a caller that does not would leave positions unread in the draft's cache for
+        the rest of the request), and is made only where it costs at most 2% of what the job still
+        has to run."""
         ks = [k for k in available if k > 0 and (width, k) in self._costs]
         if not ks or not rates.get(0):
             return None

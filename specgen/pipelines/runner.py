@@ -121,6 +121,7 @@ class RunTotals:
     mask_seconds: float = 0.0        # structured output: the host's token masks (inside step_seconds)
     grammar_drafts: int = 0          # structured output: drafts the grammar wrote (its forced tokens)
     refused_drafts: int = 0          # structured output: slot-steps stopped at a draft the grammar refuses
+    catch_ups: int = 0               # draft passes run alone, to keep a draft within its window (_issue)
     spec: SpecCounters = field(default_factory=lambda: SpecCounters(0))
     k_steps: list[int] = field(default_factory=list)    # steps run with each k (0 = plain)
 
@@ -446,6 +447,19 @@ class Runner:
         kv_len = self.kv_bucket(max(lengths[b] for b in live), k)
         steady = True
         compiled_before = functions.compiled_seconds()
+        if self.unified.draft is not None and (host_only or k == 0) \
+                and max(self.gaps[b] for b in live) + k + 1 > self.unified.max_window:
+            # A step the draft does not run in (plain, or the host's drafts alone) that would leave a
+            # slot further behind than a catch-up reads back from the ring (max_window; host-only steps
+            # move K + 1 positions each, and a policy that runs plain throughout never probes): the
+            # draft absorbs now what it has not read, a pass that proposes nothing, so its state stays
+            # what it would have been (DESIGN.md section 7). Once per max_window - K - 1 positions at
+            # most; a one-off, not this step's cost.
+            functions.catch_up(kv_len, max(self.gaps[b] for b in live))
+            for b in range(self.batch_size):
+                self.gaps[b] = 0
+            steady = False
+            totals.catch_ups += 1
         if host_only:
             # the host's drafts are in `pending`: the verify of k + 1 rows (a draft model, if any, does
             # not run: it absorbs these positions at its next step, from the ring the verify writes)

@@ -39,7 +39,8 @@ One step = `draft(k)` then `verify(T = k + 1)`; the host picks k per step (pipel
   `pending[:, 1:k+1]` (a hybrid's marked slots: the host's proposal instead, merged in the same
   graph). One compiled variant per k; `window` is an arange whose length W bounds the
   positions any slot has to absorb (a dynamic size). A slot never absorbs more than
-  `max_window` positions back: the ring holds no more (the policy's probes keep gaps shorter).
+  `max_window` positions back: the ring holds no more (before a step without the draft would
+  leave a slot further behind, the runner has the draft absorb alone: `draft` with k = 0).
 Inactive slots run along (static shapes), compute at their first positions (scratch), and never
 advance. Rows past a slot's own gap in the draft window sit at its committed length (scratch).
 
