@@ -843,6 +843,8 @@ def _stats(recipe: Recipe, r: Resolved, seed: int, runner: Runner, complete: boo
         "spec_records_of_another_k": every["records_of_another_k"],
         "steps": totals.steps,
         "prefill_calls": totals.prefill_calls,
+        # prompts the draft did not read, drafting being ruled out when they came (policy.py)
+        "unabsorbed_prompts": totals.unabsorbed_prompts,
         "generation_seconds": totals.wall_seconds,
         "compile_seconds": totals.compile_seconds,
         "wall_seconds": wall,

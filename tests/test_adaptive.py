@@ -608,6 +608,66 @@ def test_auto_is_lossless_and_plain_for_a_draft_that_never_agrees(checkpoints):
     assert totals.k_steps[0] > 0.7 * totals.steps       # random draft: mostly plain steps
 
 
+def test_prompts_that_come_once_drafting_is_ruled_out_are_not_read_by_the_draft(checkpoints):
+    """A draft that never agrees, at costs where no k could win: once a probe rules drafting out,
+    later prompts skip the draft's pass over them (its share of every prefill), except one slot
+    kept warm for a recheck; their drafts count as plain steps' blocks; the output stays plain's."""
+    from specgen.pipelines.policy import AdaptivePolicy
+    from specgen.pipelines.runner import Request
+
+    ids = prompts() * 2
+    # requests of other lengths: slots free one at a time, beside live ones
+    requests = lambda: [Request(f"p{i}", p, 6 + 5 * (i % 3), 1000 + i) for i, p in enumerate(ids)]  # noqa: E731
+
+    def outputs(runner):
+        done = {}
+        runner.run(requests(), lambda c: done.__setitem__(c.id, c.token_ids))
+        return done
+
+    r = recipe(checkpoints, "none", batch=2)
+    plain = outputs(build_runner(r, resolve(r), r.sampling.seed)[0])
+    r = recipe(checkpoints, "eagle3", k="auto", batch=2)
+    base, _, _ = build_runner(r, resolve(r), r.sampling.seed)
+    policy = PinnedCosts(base.unified.k, [0.3] * base.unified.k)
+    runner = Runner(base.unified, batch_size=2, max_seq_len=base.max_seq_len, rules=base.rules,
+                    sampling=base.sampling, seed=base.seed, device=base.device, dtype=torch.float32,
+                    policy=policy)
+    runner.warm_up()
+    for k in range(base.unified.k + 1):        # a draft step costs three times a plain one: none can win
+        policy.set_cost(k, 2, 0.040 * (1 + 2 * (k > 0)))
+    reads = []
+    propose = runner.unified.draft.propose
+    runner.unified.draft.propose = lambda *a, **kw: reads.append(a[5].rows is not None) or propose(*a, **kw)
+    asked = []
+    keeps = AdaptivePolicy.keeps_draft_state
+    policy.keeps_draft_state = lambda warm: asked.append((warm, keeps(policy, warm))) or asked[-1][1]
+    assert outputs(runner) == plain
+    totals = runner.totals
+    assert policy.ruled_out
+    # the first admission is read; once ruled out, a prompt is read only where no live slot is warm
+    assert asked[0] == (0, True)
+    assert any(not kept for _, kept in asked)
+    assert all(kept == (warm == 0) for warm, kept in asked[asked.index(next(a for a in asked if not a[1])):])
+    assert totals.unabsorbed_prompts == sum(not kept for _, kept in asked)
+    assert sum(reads) == len(ids) - totals.unabsorbed_prompts          # the prefill's draft passes
+    assert runner.cold == set()                                        # released with their slots
+
+
+def test_a_ruled_out_policy_keeps_one_warm_slot_while_a_compiled_k_may_be_rechecked():
+    policy = policy_with({0: 0.040, 1: 0.200, 2: 0.300, 3: 0.400}, prior=0.2)
+    assert policy.keeps_draft_state(3)                     # nothing ruled out yet
+    drive(policy, lambda k: 0, 3 * FIRST_PROBE_INTERVAL)
+    assert policy.ruled_out
+    assert not policy.keeps_draft_state(1) and policy.keeps_draft_state(0)
+    drive(policy, lambda k: 0, 2 * FIRST_PROBE_INTERVAL, available=frozenset())   # nothing compiled to recheck
+    assert not policy.keeps_draft_state(0)
+    cold = [SlotView(b, 10_000, drafts=False) for b in range(WIDTH)]
+    assert policy.rates(cold, WIDTH)[3] < policy.rates(cold, WIDTH)[0]    # a cold slot: one token a step
+    policy.set_cost(1, WIDTH, 0.041)                       # drafting pays again: a choice of k > 0
+    policy.settled = 1
+    assert policy.choose(SLOTS, {1, 2, 3}, WIDTH) > 0 and not policy.ruled_out and policy.keeps_draft_state(3)
+
+
 def test_auto_drafts_the_most_for_a_draft_that_is_always_right(checkpoints):
     ids = prompts()
     plain = plain_outputs(checkpoints)

@@ -131,9 +131,9 @@ def test_token_ids_outside_the_vocabulary_are_refused_on_the_host_before_prefill
     prefilled = []
     original = runner.functions.prefill
 
-    def spy(batch):
+    def spy(batch, *rest):
         prefilled.append(batch.tokens.clone())
-        return original(batch)
+        return original(batch, *rest)
 
     runner.functions.prefill = spy
     good = prompts(lengths=(4, 6))
@@ -154,10 +154,10 @@ def test_a_prompt_that_fails_in_prefill_is_an_error_and_the_batch_goes_on(models
     original = runner.functions.prefill
     poison = 7
 
-    def failing(batch):     # a prefill that raises on one prompt (ids valid: the host check passes)
+    def failing(batch, *rest):     # a prefill that raises on one prompt (ids valid: the host check passes)
         if bool((batch.tokens == poison).any()):
             raise RuntimeError("simulated kernel failure")
-        return original(batch)
+        return original(batch, *rest)
 
     runner.functions.prefill = failing
     good = [[t if t != poison else poison + 1 for t in p] for p in prompts(lengths=(4, 6))]
@@ -215,10 +215,10 @@ def test_step_seconds_leave_the_prefill_out(models, monkeypatch):
     calls = []
     prefill = runner.functions.prefill
 
-    def slow_prefill(batch):
+    def slow_prefill(batch, *rest):
         calls.append(batch)
         time.sleep(0.2)
-        return prefill(batch)
+        return prefill(batch, *rest)
 
     monkeypatch.setattr(runner.functions, "prefill", slow_prefill)
     _, totals = run(runner, prompts(lengths=(5, 7, 9)), max_tokens=6)

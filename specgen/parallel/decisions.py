@@ -3,7 +3,7 @@
 Contract: `SharedDecisions(policy, world)` stands in for a runner's policy (pipelines/policy.py,
 host_policy.py, hybrid_policy.py; `inner` is the policy). Its deciding calls (`choose`: k;
 `choose_host`: k for host drafts; `decide`: a hybrid's plan; `worth_compiling`: the variant the
-warm-up compiles and times) return the copy's first rank's answer on every rank of the copy,
+warm-up compiles and times; `keeps_draft_state`: whether the draft absorbs a new prompt) return the copy's first rank's answer on every rank of the copy,
 sent over the copy's gloo host group (a few bytes, on the host, before the step is issued); every
 other call goes to the rank's own policy unchanged. Why: the ranks of a copy run one step together,
 and each collective in it must see the same shapes on every rank, so they must draft the same k;
@@ -37,6 +37,10 @@ class SharedDecisions:
 
     def decide(self, *args, **kwargs):
         return self._world.from_tp_leader(self._policy.decide(*args, **kwargs))
+
+    def keeps_draft_state(self, *args, **kwargs):
+        # the draft runs whole on every rank: its state, and so its drafts, must be the same on all
+        return self._world.from_tp_leader(self._policy.keeps_draft_state(*args, **kwargs))
 
     def __getattr__(self, name: str):
         return getattr(self._policy, name)

@@ -422,18 +422,19 @@ class StepFunctions:
     def _prefill_in_float32(self) -> bool:
         return self._bf16_prefill_is_slow and not self.prefill_compiled
 
-    def prefill(self, batch: PrefillBatch) -> torch.Tensor | None:
-        """None, or with prompt logprobs the hidden states they are made from (UnifiedStep.prefill)."""
+    def prefill(self, batch: PrefillBatch, absorb: bool = True) -> torch.Tensor | None:
+        """None, or with prompt logprobs the hidden states they are made from (UnifiedStep.prefill;
+        `absorb` False: the draft does not read the prompt)."""
         if self._prefill_in_float32:
             with float32_products():
-                return self._prefill(self.state, self.caches, batch, self.sampling)
+                return self._prefill(self.state, self.caches, batch, self.sampling, absorb)
         if self.prefill_compiled:
             for t in (batch.rows, batch.tokens, batch.positions, batch.next_tokens, batch.last_index,
                       batch.is_last, batch.noise_key, batch.limit, batch.reasoning):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
             for t in (batch.tokens, batch.positions, batch.next_tokens):
                 torch._dynamo.maybe_mark_dynamic(t, 1)
-        return self._prefill(self.state, self.caches, batch, self.sampling)
+        return self._prefill(self.state, self.caches, batch, self.sampling, absorb)
 
     def warm_up(self, kv_len: int, prefill_batches: list[PrefillBatch], ks: tuple[int, ...] = (),
                 plain: bool = False, verifies: tuple[int, ...] = ()) -> float:

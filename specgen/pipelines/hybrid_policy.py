@@ -76,6 +76,11 @@ class HybridPolicy:
     def choose(self, slots: Sequence, available: set[int] | None = None, width: int | None = None) -> int:
         return self.model.choose(slots, available, width)
 
+    def keeps_draft_state(self, warm_slots: int) -> bool:
+        """Every prompt is absorbed: the model's block and the host's are weighed slot by slot,
+        every step (`decide`), and a slot's model block is only worth weighing from a warm draft."""
+        return True
+
     def decide(self, k: int, proposals: dict, width: int, ready: set[int], compiled: bool,
                model_ready: set[int] = frozenset()) -> Plan:
         """This step's plan, given the model policy's k and each live slot's proposal (`ready`: the

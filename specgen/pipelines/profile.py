@@ -3,8 +3,8 @@
 Contract: `calibrate(policy, functions, kv_len, slots)` runs with every slot inactive (nothing
 advances; every write lands in scratch entries) and:
 - times the plain step (the verify of one row per slot, compiled first if it is not yet) and every
-  variant k that runs without compiling (its draft and the verify of k + 1 rows, one call; every k
-  when steps run eagerly);
+  variant k that runs without compiling (its draft and the verify of k + 1 rows, one call; when
+  steps run eagerly, k = 1 and K_max, the others interpolated: `eager_costs`);
 - for the variants that would need compiling, estimates their compiled time (the eager time of
   their draft and verify, scaled by the plain step's compiled/eager ratio) and their compile time
   (the verify: what the plain step's took, or would have taken from nothing where it came from
@@ -63,6 +63,23 @@ def cold_compile_seconds(functions: StepFunctions, name: tuple) -> float:
     return max(seconds, slowest_lowering()) if seconds else seconds
 
 
+def eager_costs(functions: StepFunctions, kv_len: int, k_max: int) -> dict[int, float]:
+    """Eager steps of k = 1 .. k_max drafts: k = 1 and k_max timed once each (nothing compiles: the
+    plain step's untimed call has built every kernel they run), the k between them on the line
+    through both (an eager step's time grows about linearly with its rows and draft passes: SmolLM2's
+    EAGLE-3 at 16 slots, bf16, 2 AMD EPYC Zen 4 cores: 282 / 372 / 445 / 565 ms for k = 1..4, where
+    the line gives 376 and 471). Every k timed four times had taken 5.1 s of a 170 s job's warm-up
+    there; the policy refines each cost from the job's own steps."""
+    def once(k: int) -> float:
+        start = time.perf_counter()
+        functions.step(kv_len, k + 1, k)
+        return time.perf_counter() - start
+
+    first = once(1)
+    last = once(k_max) if k_max > 1 else first
+    return {k: first + (last - first) * (k - 1) / max(1, k_max - 1) for k in range(1, k_max + 1)}
+
+
 @torch.inference_mode()
 def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slots: int) -> float:
     start = time.perf_counter()
@@ -72,8 +89,11 @@ def calibrate(policy: AdaptivePolicy, functions: StepFunctions, kv_len: int, slo
     k_max = unified.k
     key_index = functions.key_index(kv_len)
     plain = median_seconds(device, lambda: functions.verify(kv_len, 1))
-    cost = {0: plain} | {k: median_seconds(device, lambda k=k: functions.step(kv_len, k + 1, k))
-                         for k in sorted(functions.compiled_ks)}
+    if functions.compiled:
+        cost = {0: plain} | {k: median_seconds(device, lambda k=k: functions.step(kv_len, k + 1, k))
+                             for k in sorted(functions.compiled_ks)}
+    else:
+        cost = {0: plain} | eager_costs(functions, kv_len, k_max)
     missing = [k for k in range(1, k_max + 1) if k not in cost]
     floor: dict[int, float] = {}
     # compile time estimates: a variant's verify costs what the plain step's did, its draft that

@@ -122,6 +122,7 @@ class RunTotals:
     grammar_drafts: int = 0          # structured output: drafts the grammar wrote (its forced tokens)
     refused_drafts: int = 0          # structured output: slot-steps stopped at a draft the grammar refuses
     catch_ups: int = 0               # draft passes run alone, to keep a draft within its window (_issue)
+    unabsorbed_prompts: int = 0      # prompts the draft did not read: drafting was ruled out (_admit)
     spec: SpecCounters = field(default_factory=lambda: SpecCounters(0))
     k_steps: list[int] = field(default_factory=list)    # steps run with each k (0 = plain)
 
@@ -231,6 +232,9 @@ class Runner:
         self.width = batch_size       # slots the step runs over (fewer in a run's tail, see _narrow)
         # positions each slot's draft has not absorbed yet (a bound: the draft's catch-up window)
         self.gaps = [0] * batch_size
+        # slots whose draft did not read their prompt (the policy had ruled drafting out: see
+        # `keeps_draft_state`): their drafts are worth nothing, their gaps are not kept
+        self.cold: set[int] = set()
         self.last_k = 0               # k of the last step issued
         self.totals = RunTotals(spec=SpecCounters(step.k))  # live: readable after an interrupt
         self._prompt_logprobs: dict[int, list[dict | None]] = {}   # by slot, filled by the prefill
@@ -395,6 +399,7 @@ class Runner:
     def _loop(self, pending: Iterator[Request], finish, totals: RunTotals) -> None:
         self.state.active.zero_()                       # an interrupted run may have left slots live
         self._grammars.clear()
+        self.cold.clear()
         if self._host_masks is not None:                # ... and structured slots' mask rows
             self._host_masks.fill_(-1)
             self.state.token_masks.fill_(-1)
@@ -435,8 +440,8 @@ class Runner:
         """Choose k, draft k tokens (none for k = 0), verify k + 1 rows per slot. Returns k and, when
         this step's time is its variant's steady cost, k again (None after a compile or a catch-up)."""
         functions = self.functions
-        views = [SlotView(b, slots[b].tracker.max_tokens - len(slots[b].tracker.token_ids), self.gaps[b])
-                 for b in live]
+        views = [SlotView(b, slots[b].tracker.max_tokens - len(slots[b].tracker.token_ids), self.gaps[b],
+                          drafts=b not in self.cold) for b in live]
         # the policy runs a variant that is not compiled only where it decided compiling it pays
         # (pipelines/policy.py): the verify decides the tokens, and only the compiled graph computes
         # them exactly as the plain step does
@@ -482,7 +487,8 @@ class Runner:
         totals.compile_seconds += compiled
         steady = steady and compiled == 0
         for b in live:
-            self.gaps[b] += k + 1
+            if b not in self.cold:
+                self.gaps[b] += k + 1
         self.last_k = k
         inflight.append((self.step_no, k, drafted, self.reader.start(out)))
         self.step_no += 1
@@ -571,6 +577,9 @@ class Runner:
             slots[dst], slots[src] = slots[src], None
             lengths[dst] = lengths[src]
             self.gaps[dst] = self.gaps[src]
+            if src in self.cold:
+                self.cold.discard(src)
+                self.cold.add(dst)
             if src in self._grammars:
                 self._grammars[dst] = self._grammars.pop(src)
             if self._host_masks is not None:
@@ -610,7 +619,8 @@ class Runner:
                 # not an accepted draft
                 own = drafted.get(b, 0)
                 slot.counters.record(min(accepted, own), min(relaxed, own), own)
-            self.policy.observe_block(b, k, accepted)
+            # a cold slot's drafts say nothing of the draft's acceptance: reported as a plain step's
+            self.policy.observe_block(b, 0 if b in self.cold else k, accepted)
             lengths[b] += accepted + 1
             committed = emitted[: accepted + 1]
             if proposer is not None:
@@ -653,6 +663,7 @@ class Runner:
         finish(self._completion(slots[b]))
         slots[b] = None
         self._grammars.pop(b, None)
+        self.cold.discard(b)
         self._free_masks(b)
         if self.proposer is not None:
             self.proposer.finish(b)
@@ -697,7 +708,18 @@ class Runner:
         admitted = [(b, r) for b, r in admitted if b not in bad]
         if not admitted:
             return more
-        failed = self._prefill(admitted, starts)
+        # the draft reads each prompt unless the policy has ruled drafting out (a pass over every
+        # prompt position, paid whether the job drafts or not): asked prompt by prompt, as the
+        # policy may want one slot warm
+        cold = set()
+        if self.unified.draft is not None:
+            warm = sum(1 for b, slot in enumerate(slots) if slot is not None and b not in self.cold)
+            for b, _ in admitted:
+                if self.policy.keeps_draft_state(warm):
+                    warm += 1
+                else:
+                    cold.add(b)
+        failed = self._prefill(admitted, starts, cold)
         for b, request in admitted:
             if b in failed:
                 finish(Completion(request.id, [], "", "error", len(request.prompt_ids), None, failed[b]))
@@ -714,7 +736,12 @@ class Runner:
                     slots[b].error = f"structured output: the grammar refused the first token {first} (a specgen bug)"
                 self._grammars[b] = grammars[b]
             lengths[b] = len(request.prompt_ids)
-            self.gaps[b] = 1              # the draft re-reads the prompt's last position
+            self.gaps[b] = 0 if b in cold else 1    # the draft re-reads the prompt's last position
+            if b in cold:
+                self.cold.add(b)
+                totals.unabsorbed_prompts += 1
+            else:
+                self.cold.discard(b)
             self.policy.admit(b)
             if self.proposer is not None:
                 self.proposer.admit(b, request.prompt_ids)
@@ -745,15 +772,17 @@ class Runner:
             self.state.token_masks[b].copy_(self._host_masks[b])
         return grammars, bad
 
-    def _prefill(self, admitted: list[tuple[int, Request]], starts: dict[int, bool | None]) -> dict[int, str]:
+    def _prefill(self, admitted: list[tuple[int, Request]], starts: dict[int, bool | None],
+                 cold: set[int] | None = None) -> dict[int, str]:
         """Run the batched prefill; on a failure, retry each request alone so that only the bad one
-        fails. Returns {slot: error} for the requests that could not be prefilled."""
+        fails. Returns {slot: error} for the requests that could not be prefilled. `cold`: the slots
+        whose prompts the draft does not read (updated: `_prefill_items`)."""
         # an unknown start state (no marker in the prompt) is verified as content: strictly
         items = {b: PrefillItem(b, r.prompt_ids, self.noise_key(r), len(r.prompt_ids) + self._max_tokens(r) - 1,
                                 reasoning=starts[b] is True)
                  for b, r in admitted}
         try:
-            self._prefill_items(list(items.values()))
+            self._prefill_items(list(items.values()), cold)
             return {}
         except Exception as exc:  # one bad prompt never kills the batch: find it
             if len(items) == 1:
@@ -762,7 +791,7 @@ class Runner:
                 failures = {}
                 for b, item in items.items():
                     try:
-                        self._prefill_items([item])
+                        self._prefill_items([item], cold)
                     except Exception as exc_alone:
                         failures[b] = exc_alone
         for b in failures:
@@ -770,7 +799,10 @@ class Runner:
             self._prompt_logprobs.pop(b, None)
         return {b: f"prefill failed: {type(e).__name__}: {e}" for b, e in failures.items()}
 
-    def _prefill_items(self, items: list[PrefillItem]) -> None:
+    def _prefill_items(self, items: list[PrefillItem], cold: set[int] | None = None) -> None:
+        """Prefill `items`; the draft reads every prompt but those of `cold` (a call absorbs where any
+        of its prompts does: they then leave `cold`)."""
+        cold = cold if cold is not None else set()
         top = self.unified.prompt_logprobs
         if top is not None:
             for item in items:
@@ -782,7 +814,10 @@ class Runner:
                      else self.kv_bucket(end))
             key_index = self.functions.key_index(bound)
             batch = pack(call, self.alloc_len, key_index, self.device)
-            hidden = self.functions.prefill(batch)
+            absorb = any(item.slot not in cold for item in call.items)
+            if absorb:
+                cold.difference_update(item.slot for item in call.items)
+            hidden = self.functions.prefill(batch, absorb)
             self.totals.prefill_calls += 1
             if hidden is None:
                 continue

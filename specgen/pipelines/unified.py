@@ -336,8 +336,9 @@ class UnifiedStep:
     # -- prefill -------------------------------------------------------------------------------------
 
     def prefill(self, state: StepState, caches: StepCaches, batch: PrefillBatch,
-                sampling: SamplingTensors) -> torch.Tensor | None:
+                sampling: SamplingTensors, absorb: bool = True) -> torch.Tensor | None:
         # batch: n rows of T tokens; updates the rows' state in place (only rows with is_last finish).
+        # absorb: the draft reads the chunk (False: its cache is left as it is, the ring still kept)
         # -> None, or with prompt_logprobs the last layer's output [n, T, H] (prompt_logprobs_of)
         if self.timer is not None:
             self.timer.begin(is_step=False)
@@ -366,8 +367,9 @@ class UnifiedStep:
             after = torch.where(done, first, batch.next_tokens[index, last])
             next_tokens = batch.next_tokens.scatter(1, last.unsqueeze(1), after.unsqueeze(1))
             features = aux.to(self.draft_dtype) if aux is not None and self.draft_dtype is not None else aux
-            self.draft.propose(features, next_tokens, batch.positions, last, caches.draft, attn,
-                               self._pick(row_sampling, batch.noise_key), 0)
+            if absorb:
+                self.draft.propose(features, next_tokens, batch.positions, last, caches.draft, attn,
+                                   self._pick(row_sampling, batch.noise_key), 0)
             # the next draft call re-reads the prompt's last position from the ring, and proposes
             ring = self.ring_len
             where = (length - 1) % ring
