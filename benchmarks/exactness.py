@@ -1,6 +1,6 @@
 """The exactness table: speculative output against plain decoding's, token for token, under `dtype: auto`.
 
-    python benchmarks/exactness.py                      # everything (hours on 2 CPU cores: compiles)
+    python benchmarks/exactness.py                      # everything (about an hour on 2 CPU cores: compiles)
     python benchmarks/exactness.py --modes eager --methods eagle3 suffix --batches 1
 
 For every cell (eager or compiled, batch size, threads, greedy or seeded sampling) it runs the plain
