@@ -335,8 +335,8 @@ print(json.dumps(out))
     # eager decoding computes other bits, and a tiny random model has near-ties that flip on them).
     # That cache keeps the shared one's C++ kernels (compiled from source, keyed by it), so the
     # reference lowers its graph anew without paying every kernel's compile again.
-    first, second = tokens(1, "shared"), tokens(2, "shared")
-    shutil.copytree(tmp_path / "shared", tmp_path / "own",
+    first, second = tokens(1, "common"), tokens(2, "common")
+    shutil.copytree(tmp_path / "common", tmp_path / "own",
                     ignore=lambda folder, names: [n for n in names if n in ("fxgraph", "aotautograd")])
     assert second == tokens(2, "own") and first != second
 
