@@ -67,15 +67,10 @@ def test_each_row_reads_only_its_own_length():
     assert torch.equal(out, lk.latent_attention_triton(q, poisoned, rows, positions, 0.25, 32, 2))
 
 
-def test_tiles_fit_an_h100_at_deepseek_widths_where_the_generic_kernel_would_not():
-    """The estimate behind the tile choice (GPU_NOTES 1): bf16, 512 + 64, the kernel's stages."""
-    ours = lk.shared_memory_bytes(lk.BLOCK_M, lk.BLOCK_N, 512, 64, lk.NUM_STAGES, 2)
-    assert ours <= lk.H100_SHARED_MEMORY
-    # the generic kernel at its wide-head tiles: K and V tiles of 1024 (576 padded), Triton's default
-    # three stages
-    block_m, block_n = generic.tile_sizes(576, None, None)
-    theirs = (block_m * 1024 + 3 * 2 * block_n * 1024 + block_m * block_n) * 2
-    assert theirs > lk.H100_SHARED_MEMORY
+def test_entries_wider_than_any_checked_configuration_are_refused():
+    q, cache, rows, positions = case(1, 1, 2, 1024, 64, L=8)
+    with pytest.raises(ValueError, match="1024 \\+ 64"):
+        lk.latent_attention_triton(q, cache, rows, positions, 0.1, 1024)
 
 
 def test_attend_latent_takes_the_kernel_on_the_kernel_path(monkeypatch):

@@ -169,7 +169,7 @@ def test_verify_accepts_relaxed_drafts_and_counts_only_those():
 def test_kernel_matches_reference_with_relaxed_acceptance(mode, stochastic):
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from test_rejection_kernel import _case
+    from test_rejection_kernel import _case, vocabulary_blocks
 
     from specgen.kernels import keyed_noise, rejection
 
@@ -179,7 +179,8 @@ def test_kernel_matches_reference_with_relaxed_acceptance(mode, stochastic):
     g = torch.Generator().manual_seed(12)
     relaxed = (torch.rand(12, 3, generator=g) < 0.4).to(args[0].device)
     ref = rejection.verify_reference(*args, relaxed)
-    kernel = rejection.verify_triton(*args, relaxed, block_v=16)
+    with vocabulary_blocks(16):
+        kernel = rejection.verify_triton(*args, relaxed)
     assert all(torch.equal(k, r) for k, r in zip(kernel, ref))
     strict = rejection.verify_reference(*args)
     assert ref[2].sum() > 0 and (ref[0] >= strict[0]).all()

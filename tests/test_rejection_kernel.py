@@ -15,17 +15,30 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 
 import pytest  # noqa: E402
 
 from specgen.kernels import keyed_noise as kn  # noqa: E402
-from specgen.kernels import rejection  # noqa: E402
+from specgen.kernels import launch_configs, rejection  # noqa: E402
 from specgen.pipelines.verify import verify  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not kn.triton_available(), reason="triton is not installed")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def vocabulary_blocks(block_v: int):
+    """The verify kernel launched with BLOCK_V = `block_v` (small vocabularies cross several blocks)."""
+    shipped = launch_configs.VERIFY
+    launch_configs.VERIFY = dataclasses.replace(shipped, tiles={"BLOCK_V": block_v})
+    try:
+        yield
+    finally:
+        launch_configs.VERIFY = shipped
 
 
 @pytest.mark.parametrize("stream", [kn.TARGET, kn.DRAFT, kn.ACCEPT, kn.RESIDUAL])
@@ -83,10 +96,15 @@ GRID = [
 def test_kernel_matches_reference(B, K, V, block_v, mode, stochastic, seed):
     args = _case(B, K, V, mode, stochastic, seed=seed)
     acc_ref, em_ref, relaxed_ref = rejection.verify_reference(*args)
-    acc, em, relaxed = rejection.verify_triton(*args, block_v=block_v)
+    acc, em, relaxed = _verify(args, block_v)
     assert torch.equal(acc, acc_ref)
     assert torch.equal(em, em_ref)
     assert not relaxed.any() and not relaxed_ref.any()     # no relaxed mask: nothing counted
+
+
+def _verify(args, block_v):
+    with vocabulary_blocks(block_v):
+        return rejection.verify_triton(*args)
 
 
 def test_kernel_covers_every_acceptance_length():
@@ -94,7 +112,7 @@ def test_kernel_covers_every_acceptance_length():
     for stochastic in (False, True):
         args = _case(24, 4, 37, "mixed", stochastic, seed=7)
         acc_ref, em_ref, _ = rejection.verify_reference(*args)
-        acc, em, _ = rejection.verify_triton(*args, block_v=32)
+        acc, em, _ = _verify(args, 32)
         assert torch.equal(acc, acc_ref) and torch.equal(em, em_ref)
         assert set(acc.tolist()) == set(range(5))
 
@@ -106,7 +124,7 @@ def test_kernel_residual_fallback():
     drafts = torch.full((B, K), V // 3, dtype=torch.int64, device=DEVICE)  # a -inf token
     big_q = (logprobs[:, :K].exp() * 1.5).contiguous()
     args = (logprobs, drafts, big_q, greedy, key, positions)
-    acc, em, _ = rejection.verify_triton(*args, block_v=16)
+    acc, em, _ = _verify(args, 16)
     acc_ref, em_ref, _ = rejection.verify_reference(*args)
     assert torch.equal(acc, acc_ref) and torch.equal(em, em_ref)
     assert acc.tolist() == [0] * B

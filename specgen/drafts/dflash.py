@@ -330,9 +330,7 @@ class DFlashDraft(HeadRows, nn.Module):
         if any(on_kernel):
             # what each query sees: a bidirectional layer the whole block, a causal one up to itself
             whole_block = block_pos[:, -1:].expand(-1, k + 1).contiguous()
-            c = self.config
-            tiles = attention_kernel.query_tiles(k + 1, c.num_heads // c.num_kv_heads)
-            splits = kernel_splits(attn, batch, c.num_kv_heads, tiles, cache.max_len)
+            splits = kernel_splits(attn, cache.max_len)
         kv_len = attn.key_index.shape[0]
         for i, layer in enumerate(self.layers):
             # The context enters k_proj / v_proj as is (no input_layernorm), like the reference.

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import keyed_noise as kn
+from . import launch_configs
 from .keyed_noise import tl, triton
 
 # ---------------------------------------------------------------------------------------------------
@@ -117,11 +118,11 @@ def _online_softmax_dev(s, m_i, l_i):
     return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
 
 
-def _split_range_dev(row_pos_ptr, T, pos, split, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Splits partition the row's whole key range [0, last position + 1) in BLOCK_N-aligned chunks;
-    # a tile stops earlier at its own last query's position (pos: its queries' positions, -1 padding).
-    row_len = tl.load(row_pos_ptr + T - 1) + 1
-    chunk = tl.cdiv(tl.cdiv(row_len, SPLITS), BLOCK_N) * BLOCK_N
+def _split_range_dev(pos, split, chunk):
+    # Split s covers keys [s * chunk, (s + 1) * chunk): fixed chunks (a multiple of BLOCK_N) that depend on
+    # the cache alone, so a row's sums run in an order set by its own length, whatever T, the batch or
+    # the step (GPU_NOTES 2). A tile stops at its last query's position (pos: -1 for padding); a split
+    # past it runs no iteration and leaves lse = -inf, which the merge weighs by exactly 0.
     start = split * chunk
     return start, tl.minimum(start + chunk, tl.max(pos, axis=0) + 1)
 
@@ -137,11 +138,10 @@ def _attention_kernel(
     q_ptr, k_ptr, v_ptr, rows_ptr, pos_ptr, o_ptr, lse_ptr,
     sq_b, sq_t, sq_h,            # q strides (the last one is 1)
     sk_s, sk_h, sk_l,            # k and v cache strides (shared; the last one is 1)
-    so_b, so_t, so_h, so_s,      # partial outputs [B, T, Hq, SPLITS, D] (contiguous)
-    T, D, scale,
+    so_b, so_t, so_h, so_s,      # partial outputs [B, T, Hq, splits, D] (contiguous)
+    T, D, scale, chunk,          # chunk: keys per split (a multiple of BLOCK_N)
     GROUP: tl.constexpr,         # query heads per KV head
     KV_HEADS: tl.constexpr,
-    SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,          # fp32 inputs: exact products (no tf32)
 ):
@@ -160,7 +160,7 @@ def _attention_kernel(
                 mask=valid_m[:, None] & valid_d[None, :], other=0.0)
     pos = tl.load(pos_ptr + b * T + t, mask=valid_m, other=-1)
     row = tl.load(rows_ptr + b).to(tl.int64)
-    start, end = _split_range_dev(pos_ptr + b * T, T, pos, split, SPLITS, BLOCK_N)
+    start, end = _split_range_dev(pos, split, chunk)
     k_base = k_ptr + row * sk_s + kvh * sk_h
     v_base = v_ptr + row * sk_s + kvh * sk_h
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -185,8 +185,25 @@ def _attention_kernel(
     out, lse = _finish_dev(acc, m_i, l_i)
     o_offs = b * so_b + t[:, None] * so_t + head[:, None] * so_h + split * so_s + offs_d[None, :]
     tl.store(o_ptr + o_offs, out, mask=valid_m[:, None] & valid_d[None, :])
-    # lse: [B, T, Hq, SPLITS], contiguous
-    tl.store(lse_ptr + ((b * T + t) * (KV_HEADS * GROUP) + head) * SPLITS + split, lse, mask=valid_m)
+    # lse: [B, T, Hq, splits], contiguous
+    tl.store(lse_ptr + ((b * T + t) * (KV_HEADS * GROUP) + head) * tl.num_programs(2) + split, lse, mask=valid_m)
+
+
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, SPLITS, D, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    # one program per output row r (a flattened (b, t, head)): part [R, SPLITS, D] f32, lse [R, SPLITS]
+    # -> out [R, D]; the splits are weighed by their share of the softmax mass, in one fixed order
+    r = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    valid_s = offs_s < SPLITS
+    lse = tl.load(lse_ptr + r * SPLITS + offs_s, mask=valid_s, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))          # an empty split: exactly 0
+    parts = tl.load(part_ptr + (r * SPLITS + offs_s[:, None]) * D + offs_d[None, :],
+                    mask=valid_s[:, None] & (offs_d[None, :] < D), other=0.0)
+    total = tl.sum(weight, axis=0)
+    out = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + r * D + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < D)
 
 
 _jitted = False
@@ -194,7 +211,7 @@ _jitted = False
 
 def jit_kernels() -> None:
     """Jit the device functions, then the kernel (also the latent kernel's device functions)."""
-    global _jitted, _attention_kernel, _online_softmax_dev, _split_range_dev, _finish_dev
+    global _jitted, _attention_kernel, _merge_kernel, _online_softmax_dev, _split_range_dev, _finish_dev
     if _jitted:
         return
     if triton is None:
@@ -203,6 +220,7 @@ def jit_kernels() -> None:
     _split_range_dev = triton.jit(_split_range_dev)
     _finish_dev = triton.jit(_finish_dev)
     _attention_kernel = triton.jit(_attention_kernel)
+    _merge_kernel = triton.jit(_merge_kernel)
     _jitted = True
 
 
@@ -210,38 +228,38 @@ if kn.should_jit_at_import():
     jit_kernels()
 
 
-BLOCK_M = 64   # tile rows: (query, head-of-group) pairs
-BLOCK_N = 64   # keys per inner iteration
-# Wide heads (MLA's latent: kv_lora_rank + rope dims = 576, padded to 1024) take smaller tiles, so
-# that a K and a V tile and the fp32 accumulator stay within one SM's shared memory and registers.
-WIDE_HEAD_DIM, WIDE_BLOCK_M, WIDE_BLOCK_N = 256, 16, 32
+# Split-K (flash-decoding) on the step: a row's keys are cut into fixed chunks, one split per MIN_CHUNK
+# keys of the cache, at most MAX_SPLITS; chunks start at multiples of CHUNK_ALIGN, which every BLOCK_N
+# of kernels/launch_configs.py divides (so a chunk's key blocks are the same whatever the tile).
+MIN_CHUNK = 256
+MAX_SPLITS = 16
+CHUNK_ALIGN = 64
 
 
-def tile_sizes(head_dim: int, block_m: int | None, block_n: int | None) -> tuple[int, int]:
-    wide = head_dim > WIDE_HEAD_DIM
-    return (block_m or (WIDE_BLOCK_M if wide else BLOCK_M), block_n or (WIDE_BLOCK_N if wide else BLOCK_N))
+def choose_splits(max_len: int) -> int:
+    """Splits of a decode step's rows over a cache of `max_len` positions. A function of the cache
+    alone (not of the batch, T or the device), so that a query is reduced in the same order in a plain
+    step, a K = 3 step and at any batch size (GPU_NOTES 2)."""
+    return max(1, min(MAX_SPLITS, -(-max_len // MIN_CHUNK)))
 
 
-def query_tiles(queries: int, group: int, block_m: int = BLOCK_M) -> int:
+def split_chunk(max_len: int, splits: int) -> int:
+    """Keys per split: the cache cut in `splits` equal parts, rounded up to a multiple of CHUNK_ALIGN."""
+    return -(-max(1, -(-max_len // splits)) // CHUNK_ALIGN) * CHUNK_ALIGN
+
+
+def query_tiles(queries: int, group: int, block_m: int) -> int:
     return -(-queries * group // block_m)
 
 
-def choose_splits(batch: int, kv_heads: int, tiles: int, max_len: int, num_sms: int) -> int:
-    """Enough programs to fill the device twice over, never splits shorter than 256 keys."""
-    programs = batch * kv_heads * tiles
-    want = math.ceil(2 * num_sms / max(programs, 1))
-    return max(1, min(want, 16, max_len // 256))
-
-
 def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                     positions: torch.Tensor, scale: float, splits: int = 1,
-                     block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """Guarded launch of `_attention_kernel` (+ the log-sum-exp merge of the splits)."""
+                     positions: torch.Tensor, scale: float, splits: int = 1) -> torch.Tensor:
+    """Guarded launch of `_attention_kernel` (+ the log-sum-exp merge of the splits), tiles from
+    kernels/launch_configs.py."""
     # q: [B, T, Hq, D]; caches: [S, Hkv, L, D]; rows: [B]; positions: [B, T]
     if not _jitted:
         jit_kernels()
     B, T, Hq, D = q.shape
-    block_m, block_n = tile_sizes(D, block_m, block_n)
     S, Hkv, L, Dk = k_cache.shape
     assert Dk == D and v_cache.shape == k_cache.shape, "k/v caches must be [S, Hkv, L, D] like q's D"
     assert Hq % Hkv == 0, "query heads must be a multiple of KV heads"
@@ -252,8 +270,9 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     assert rows.dtype == torch.int64 and positions.dtype == torch.int64
     assert positions.is_contiguous() and rows.is_contiguous()
     assert all(t.device == q.device for t in (k_cache, v_cache, rows, positions))
+    launch = launch_configs.attention(q.dtype, D)
     group = Hq // Hkv
-    tiles = query_tiles(T, group, block_m)
+    tiles = query_tiles(T, group, launch.tiles["BLOCK_M"])
     part = torch.empty(B, T, Hq, splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, T, Hq, splits, dtype=torch.float32, device=q.device)
     if B * T == 0:
@@ -263,20 +282,40 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-        T, D, float(scale),
-        GROUP=group, KV_HEADS=Hkv, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), IEEE=q.dtype == torch.float32,
+        T, D, float(scale), split_chunk(L, splits),
+        GROUP=group, KV_HEADS=Hkv, BLOCK_D=max(16, triton.next_power_of_2(D)), IEEE=q.dtype == torch.float32,
+        **launch.tiles, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    return merge_splits(part, lse, q.dtype)
+    return merge_splits_triton(part, lse, q.dtype)
 
 
 def merge_splits(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The splits' partial outputs weighted by their share of the softmax mass (flash-decoding)."""
+    """The splits' partial outputs weighted by their share of the softmax mass (flash-decoding): the
+    reference of `_merge_kernel`."""
     # part: [B, T, H, SPLITS, D] float32; lse: [B, T, H, SPLITS] -> [B, T, H, D] in `dtype`
     if part.shape[3] == 1:
         return part[:, :, :, 0].to(dtype)
     weight = torch.softmax(lse, dim=-1)  # exp(lse_s - logsumexp(lse)); empty splits have lse = -inf
     return (part * weight.unsqueeze(-1)).sum(dim=3).to(dtype)
+
+
+def merge_splits_triton(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`merge_splits` as one kernel launch (eager, it is four: softmax, product, sum, cast)."""
+    # part: [B, T, H, SPLITS, D] float32 contiguous; lse: [B, T, H, SPLITS] -> [B, T, H, D] in `dtype`
+    if not _jitted:
+        jit_kernels()
+    *lead, splits, D = part.shape
+    if splits == 1:
+        return part[:, :, :, 0].to(dtype)
+    assert part.is_contiguous() and lse.is_contiguous() and part.dtype == lse.dtype == torch.float32
+    out = torch.empty(*lead, D, dtype=dtype, device=part.device)
+    rows = out.numel() // max(D, 1)
+    if rows:
+        merge = launch_configs.MERGE
+        _merge_kernel[(rows,)](part, lse, out, splits, D, BLOCK_S=triton.next_power_of_2(splits),
+                               BLOCK_D=max(16, triton.next_power_of_2(D)),
+                               num_warps=merge.num_warps, num_stages=merge.num_stages)
+    return out
 
 
 @torch.library.custom_op("specgen::cached_attention", mutates_args=())

@@ -37,13 +37,12 @@ from __future__ import annotations
 import torch
 
 from . import keyed_noise as kn
+from . import launch_configs
 from .keyed_noise import tl, triton
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                 # the largest finite e4m3fn value
 BLOCK = 128                     # DeepSeek-V3's weight block and activation group
-BLOCK_M = 32
-BLOCK_N = 64
 
 
 def fp8_gemm_supported(device: torch.device) -> bool:
@@ -166,7 +165,7 @@ if kn.should_jit_at_import():
 
 
 def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                            block: int = BLOCK, block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> torch.Tensor:
+                            block: int = BLOCK) -> torch.Tensor:
     """Guarded launch: activations quantised (PyTorch), then the block-scaled FP8 GEMM."""
     # x: [M, K]; weight: [N, K] fp8; weight_scale: [ceil(N/block), ceil(K/block)] -> [M, N] x.dtype
     if not _jitted:
@@ -176,7 +175,8 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     KB = -(-K // block)
     assert weight.dtype == FP8 and weight.shape[1] == K and weight.stride(1) == 1, "weight: [N, K] e4m3fn"
     assert weight_scale.shape == (-(-N // block), KB) and weight_scale.dtype == torch.float32
-    block_n = min(block_n, block)
+    launch = launch_configs.BLOCK_FP8_GEMM
+    block_m, block_n = launch.tiles["BLOCK_M"], min(launch.tiles["BLOCK_N"], block)
     assert block % block_n == 0, "a tile of N must lie in one weight block"
     weight_scale = weight_scale.contiguous()
     x_fp8, x_scale = quantize_activations(x, block)
@@ -186,12 +186,13 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _block_fp8_gemm_kernel[grid](x_fp8, x_scale, weight, weight_scale, out, M, N, K, KB,
                                  x_fp8.stride(0), weight.stride(0), out.stride(0),
-                                 BLOCK_K=block, BLOCK_M=block_m, BLOCK_N=block_n)
+                                 BLOCK_K=block, BLOCK_M=block_m, BLOCK_N=block_n,
+                                 num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out
 
 
 def block_fp8_pairs_triton(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor,
-                           weight_scale: torch.Tensor, block: int = BLOCK, block_n: int = BLOCK_N) -> torch.Tensor:
+                           weight_scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
     """Guarded launch: activations quantised (PyTorch), then one block-scaled product per pair."""
     # x: [P, K]; experts: [P] int64; weight: [E, N, K] fp8; weight_scale: [E, nb, kb] -> [P, N] x.dtype
     if not _jitted:
@@ -199,7 +200,8 @@ def block_fp8_pairs_triton(x: torch.Tensor, experts: torch.Tensor, weight: torch
     P, K = x.shape
     E, N = weight.shape[:2]
     KB, NB = -(-K // block), -(-N // block)
-    block_n = min(block_n, block)
+    launch = launch_configs.BLOCK_FP8_PAIRS
+    block_n = min(launch.tiles["BLOCK_N"], block)
     assert weight.dtype == FP8 and weight.shape[2] == K and weight.stride(2) == 1, "weight: [E, N, K] e4m3fn"
     assert weight_scale.shape == (E, NB, KB) and weight_scale.dtype == torch.float32
     assert experts.shape == (P,) and experts.dtype == torch.int64 and block % block_n == 0
@@ -210,7 +212,8 @@ def block_fp8_pairs_triton(x: torch.Tensor, experts: torch.Tensor, weight: torch
         return out
     _block_fp8_pairs_kernel[(P, triton.cdiv(N, block_n))](
         x_fp8, x_scale, experts, weight, weight_scale, out, N, K, KB, NB,
-        x_fp8.stride(0), weight.stride(0), weight.stride(1), out.stride(0), BLOCK_K=block, BLOCK_N=block_n)
+        x_fp8.stride(0), weight.stride(0), weight.stride(1), out.stride(0), BLOCK_K=block, BLOCK_N=block_n,
+        num_warps=launch.num_warps, num_stages=launch.num_stages)
     return out
 
 
@@ -230,6 +233,8 @@ def scaled_mm_works(device: torch.device) -> bool:
     """Whether torch's blockwise `F.scaled_mm` runs on `device` and agrees with the reference, from
     one probe problem per device (its layouts and GPUs have changed between torch releases)."""
     key = str(device)
+    if key not in _SCALED_MM_WORKS and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("the scaled_mm probe must run before a CUDA graph capture (load_target runs it)")
     if key not in _SCALED_MM_WORKS:
         ok = False
         if device.type == "cuda" and hasattr(torch.nn.functional, "ScalingType"):

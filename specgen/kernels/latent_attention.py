@@ -28,24 +28,8 @@ import torch
 
 from . import attention as generic
 from . import keyed_noise as kn
+from . import launch_configs
 from .keyed_noise import tl, triton
-
-# Tile rows ((query, head) pairs) and entries per inner iteration; `shared_memory_bytes` checks them
-# against an H100's limit at DeepSeek-V3's widths (test_latent_attention_kernel.py).
-BLOCK_M = 32
-BLOCK_N = 32
-NUM_WARPS = 8     # a 32 x 512 fp32 accumulator is 64 registers a thread at 8 warps
-NUM_STAGES = 2
-H100_SHARED_MEMORY = 227 * 1024
-
-
-def shared_memory_bytes(block_m: int, block_n: int, latent: int, rope: int, stages: int,
-                        itemsize: int) -> int:
-    """An upper estimate of one program's shared memory: the query tiles, `stages` buffered entry
-    tiles (latent + rope) and the probabilities tile fed to the second product."""
-    width = triton.next_power_of_2(latent) + triton.next_power_of_2(rope) if triton else latent + rope
-    return (block_m * width + stages * block_n * width + block_m * block_n) * itemsize
-
 
 def latent_attention_reference(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
                                positions: torch.Tensor, scale: float, latent_dim: int) -> torch.Tensor:
@@ -64,10 +48,9 @@ def _latent_attention_kernel(
     q_ptr, c_ptr, rows_ptr, pos_ptr, o_ptr, lse_ptr,
     sq_b, sq_t, sq_h,            # q strides (the last one is 1)
     sc_s, sc_l,                  # cache strides: slot, position (the last one is 1)
-    so_b, so_t, so_h, so_s,      # partial outputs [B, T, H, SPLITS, R] (contiguous)
-    T, R, P, scale,
+    so_b, so_t, so_h, so_s,      # partial outputs [B, T, H, splits, R] (contiguous)
+    T, R, P, scale, chunk,       # chunk: entries per split (kernels/attention.py: `split_chunk`)
     HEADS: tl.constexpr,
-    SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     IEEE: tl.constexpr,          # fp32 inputs: exact products (no tf32)
 ):
@@ -87,7 +70,7 @@ def _latent_attention_kernel(
     q_rope = tl.load(q_rows + R + offs_p[None, :], mask=valid_m[:, None] & valid_p[None, :], other=0.0)
     pos = tl.load(pos_ptr + b * T + t, mask=valid_m, other=-1)
     row = tl.load(rows_ptr + b).to(tl.int64)
-    start, end = generic._split_range_dev(pos_ptr + b * T, T, pos, split, SPLITS, BLOCK_N)
+    start, end = generic._split_range_dev(pos, split, chunk)
     base = c_ptr + row * sc_s
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -112,8 +95,8 @@ def _latent_attention_kernel(
     out, lse = generic._finish_dev(acc, m_i, l_i)
     o_offs = b * so_b + t[:, None] * so_t + head[:, None] * so_h + split * so_s + offs_r[None, :]
     tl.store(o_ptr + o_offs, out, mask=valid_m[:, None] & valid_r[None, :])
-    # lse: [B, T, H, SPLITS], contiguous
-    tl.store(lse_ptr + ((b * T + t) * HEADS + head) * SPLITS + split, lse, mask=valid_m)
+    # lse: [B, T, H, splits], contiguous
+    tl.store(lse_ptr + ((b * T + t) * HEADS + head) * tl.num_programs(2) + split, lse, mask=valid_m)
 
 
 _jitted = False
@@ -135,9 +118,9 @@ if kn.should_jit_at_import():
 
 
 def latent_attention_triton(q: torch.Tensor, cache: torch.Tensor, rows: torch.Tensor,
-                            positions: torch.Tensor, scale: float, latent_dim: int, splits: int = 1,
-                            block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> torch.Tensor:
-    """Guarded launch of `_latent_attention_kernel` (+ the log-sum-exp merge of the splits)."""
+                            positions: torch.Tensor, scale: float, latent_dim: int, splits: int = 1) -> torch.Tensor:
+    """Guarded launch of `_latent_attention_kernel` (+ the log-sum-exp merge of the splits), tiles from
+    kernels/launch_configs.py."""
     # q: [B, T, H, R + P]; cache: [S, 1, L, R + P]; rows: [B]; positions: [B, T] -> [B, T, H, R]
     if not _jitted:
         jit_kernels()
@@ -156,22 +139,18 @@ def latent_attention_triton(q: torch.Tensor, cache: torch.Tensor, rows: torch.Te
     lse = torch.empty(B, T, H, splits, dtype=torch.float32, device=q.device)
     if B * T == 0:
         return q.new_empty(B, T, H, R)
-    tiles = -(-T * H // block_m)
+    launch = launch_configs.latent_attention(q.dtype, R, P)
+    tiles = -(-T * H // launch.tiles["BLOCK_M"])
     _latent_attention_kernel[(B, tiles, splits)](
         q, cache, rows, positions, part, lse,
         q.stride(0), q.stride(1), q.stride(2),
         cache.stride(0), cache.stride(2),
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
-        T, R, P, float(scale),
-        HEADS=H, SPLITS=splits, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_P=max(16, triton.next_power_of_2(P)),
-        IEEE=q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        T, R, P, float(scale), generic.split_chunk(cache.shape[2], splits),
+        HEADS=H, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_P=max(16, triton.next_power_of_2(P)),
+        IEEE=q.dtype == torch.float32, **launch.tiles, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
-    return generic.merge_splits(part, lse, q.dtype)
-
-
-def query_tiles(queries: int, heads: int) -> int:
-    return -(-queries * heads // BLOCK_M)
+    return generic.merge_splits_triton(part, lse, q.dtype)
 
 
 @torch.library.custom_op("specgen::latent_attention", mutates_args=())

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from . import keyed_noise as kn
+from . import launch_configs
 from .keyed_noise import ACCEPT, RESIDUAL, STREAM_SALT, TARGET, tl, triton
 
 # ---------------------------------------------------------------------------------------------------
@@ -284,10 +285,9 @@ def verify_triton(
     noise_key: torch.Tensor,
     positions: torch.Tensor,
     relaxed: torch.Tensor | None = None,
-    block_v: int = 1024,
-    num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Guarded launch of `_verify_kernel`: same contract and results as `verify_reference`."""
+    """Guarded launch of `_verify_kernel`: same contract and results as `verify_reference`; its launch
+    from kernels/launch_configs.py."""
     # logprobs: [B, K+1, V]; draft_tokens: [B, K]; draft_probs: [B, K, V] | None
     # greedy: [B]; noise_key: [B]; positions: [B, K+1]; relaxed: [B, K] | None
     if not _jitted:
@@ -310,7 +310,6 @@ def verify_triton(
         tensors.append(relaxed)
     assert all(t.is_contiguous() for t in tensors), "verify_triton needs contiguous inputs"
     assert all(t.device == logprobs.device for t in tensors), "verify_triton inputs must share a device"
-    assert block_v > 0 and block_v & (block_v - 1) == 0, "block_v must be a power of two"
 
     accepted = torch.empty(B, dtype=torch.int64, device=logprobs.device)
     emitted = torch.empty(B, K1, dtype=torch.int64, device=logprobs.device)
@@ -335,9 +334,10 @@ def verify_triton(
         SALT_RESIDUAL=STREAM_SALT[RESIDUAL],
         HAS_DRAFT_PROBS=draft_probs is not None,
         HAS_RELAXED=relaxed is not None,
-        BLOCK_V=block_v,
         BLOCK_K=triton.next_power_of_2(K1),
-        num_warps=num_warps,
+        **launch_configs.VERIFY.tiles,
+        num_warps=launch_configs.VERIFY.num_warps,
+        num_stages=launch_configs.VERIFY.num_stages,
     )
     return accepted, emitted, relaxed_accepted
 

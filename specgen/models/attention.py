@@ -75,7 +75,7 @@ class AttentionBatch:
     key_index: torch.Tensor          # [kv_len] arange; reference path reads kv_len positions
     mask: torch.Tensor | None        # [B, 1, T, kv_len] causal mask (reference path only)
     use_kernel: bool
-    num_sms: int = 1                 # kernel path: SMs to fill by splitting rows (1: never split)
+    num_sms: int = 1                 # kernel path: > 1 splits the rows' keys (the step; 1: never split)
     # reference path: each query row's output independent of the other rows (the decode step, where
     # a token verified beside drafts must come out as it does alone; kernels/attention.py)
     row_invariant: bool = False
@@ -113,19 +113,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, la
         return kernel.attention_reference(q, cache.k[layer], cache.v[layer], batch.rows, batch.mask,
                                           scale, batch.row_invariant)
     scale = scale if scale is not None else q.shape[-1] ** -0.5
-    block_m, _ = kernel.tile_sizes(q.shape[-1], None, None)
-    tiles = kernel.query_tiles(q.shape[1], q.shape[2] // k.shape[2], block_m)
-    splits = kernel_splits(batch, q.shape[0], k.shape[2], tiles, cache.max_len)
+    splits = kernel_splits(batch, cache.max_len)
     return kernel.cached_attention(q, cache.k[layer], cache.v[layer], rows, batch.positions.contiguous(),
                                    scale, splits)
 
 
-def kernel_splits(batch: AttentionBatch, rows: int, kv_heads: int, tiles: int, max_len: int) -> int:
-    """Programs each row's keys are split over on the kernel path: several only where the batch asks
-    to fill the device's SMs (the step: decode; a prefill has programs enough)."""
+def kernel_splits(batch: AttentionBatch, max_len: int) -> int:
+    """Programs each row's keys are split over on the kernel path: several only on the step (decode,
+    whose few queries would leave the device's SMs idle; a prefill has programs enough), as many as the
+    cache's length gives (kernels/attention.py: `choose_splits`), never what the batch happens to be."""
     if batch.num_sms <= 1:
         return 1
-    return kernel.choose_splits(rows, kv_heads, tiles, max_len, batch.num_sms)
+    return kernel.choose_splits(max_len)
 
 
 def attend_latent(q: torch.Tensor, entry: torch.Tensor, cache, layer: int, batch: AttentionBatch,
@@ -135,7 +134,6 @@ def attend_latent(q: torch.Tensor, entry: torch.Tensor, cache, layer: int, batch
         return attend(q, entry, entry, cache, layer, batch, scale)[..., :latent_dim]
     rows = batch.cache_rows(q.shape[0], q.device)
     cache.write(layer, rows, batch.positions, entry)
-    tiles = latent_kernel.query_tiles(q.shape[1], q.shape[2])
-    splits = kernel_splits(batch, q.shape[0], 1, tiles, cache.max_len)
+    splits = kernel_splits(batch, cache.max_len)
     return latent_kernel.latent_attention(q, cache.k[layer], rows, batch.positions.contiguous(), scale,
                                           latent_dim, splits)
