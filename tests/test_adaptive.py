@@ -514,6 +514,26 @@ def test_switching_k_reads_each_steps_outputs_through_the_cuda_ring_of_buffers(c
     assert totals.k_steps[0] > 0 and totals.k_steps[1] > 0 and totals.k_steps[3] > 0
 
 
+def test_the_ring_stages_every_narrower_step_in_a_contiguous_buffer():
+    """GPU_NOTES 3: a device-to-host copy into a strided view of pinned memory is staged through
+    pageable memory and blocks. Every (rows, k) a step can have reads through a contiguous buffer, and
+    reads back exactly what the step wrote, while an older read of the same ring is still pending."""
+    from specgen.pipelines.runner import _HostReader
+
+    B, K = 4, 3
+    reader = _HostReader(torch.device("cpu"), (B, K + 4), 2, ring=True)
+    pending = None
+    for rows in range(1, B + 1):
+        for k in range(K + 1):
+            out = torch.arange(rows * (k + 4)).view(rows, k + 4) * 10 + k
+            read = reader.start(out)
+            assert reader.staging(reader.turn, rows, k + 4).is_contiguous()
+            if pending is not None:
+                assert pending[0]() == pending[1].tolist()    # the other buffer of the ring is intact
+            pending = (read, out)
+    assert pending[0]() == pending[1].tolist()
+
+
 def test_every_switch_with_an_oracle_draft(checkpoints):
     """The oracle is right most of the time, so blocks of every length meet every kind of switch."""
     ids = prompts()
