@@ -1,8 +1,9 @@
 """GPU checks (skipped without CUDA): bf16, every draft type, the step compiled and captured as a CUDA
 graph with the Triton kernels (verify, attention) inside it, and a large ragged batch with refills.
-float32 runs must give the same tokens; bf16 greedy runs the same tokens or tokens that part only at
-a near-tie (tests/rounding.py: the first H200 run, 2026-11-28, found bf16 runs parting and did not
-show where); the other bf16 checks stay exact and report each request's first difference.
+float32 runs must give the same tokens; bf16 runs, greedy or seeded, the same tokens or tokens that
+part only where rounding can move them (tests/rounding.py, checked on CPU by test_rounding.py; the
+first H200 run, 2026-11-28, found bf16 runs parting and did not show where): the README's "What is
+exact where" for CUDA, no more. Each failure reports each request's first difference.
 
 Run on a GPU machine with `python -m pytest -m gpu -q` (conftest.py leaves TRITON_INTERPRET unset
 there, so the kernels compile for real)."""
@@ -14,7 +15,7 @@ import torch
 from checkpoints import (load_fp32_target, tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint,
                          write_llama_checkpoint)
 from checkpoints_dflash import tiny_dflash_config, write_dflash_checkpoint
-from rounding import first_differences, rounding_problems
+from rounding import first_differences, rounding_problems, sampled_rounding_problems
 from test_draft_vocab import write_reduced_draft
 from test_speculative import prompts, run
 
@@ -80,8 +81,10 @@ def run_checked(runner, ids, max_tokens=24, compiled_up_front=True):
     and graphs recorded (GPU_NOTES 8)."""
     from torch._dynamo.utils import counters
 
+    # skips counted from before the warm-up: a graph skipped when it was compiled counts too
+    skips = counters["inductor"]["cudagraph_skips"]
     runner.warm_up()
-    graphs, skips = counters["stats"]["unique_graphs"], counters["inductor"]["cudagraph_skips"]
+    graphs = counters["stats"]["unique_graphs"]
     out = run(runner, ids, max_tokens)
     if runner.compiled:
         assert counters["stats"]["unique_graphs"] == graphs or not compiled_up_front, "compiled mid-run"
@@ -132,16 +135,23 @@ def test_switching_k_in_cuda_graphs_keeps_the_output(checkpoints):
     assert totals.k_steps[0] > 0 and sum(totals.k_steps[1:]) > 0
 
 
-def test_bf16_seeded_sampled_speculative_equals_plain_with_the_kernels(checkpoints):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_seeded_sampled_speculative_equals_plain_with_the_kernels(checkpoints, dtype):
+    """float32: the same tokens. bf16: the same tokens, or tokens that part where rounding can move a
+    sampled token (tests/rounding.py: `sampled_rounding_problems`, checked on CPU in test_rounding.py)."""
     ids = prompts(vocab=VOCAB)
     sampling = {"temperature": 0.8, "top_p": 0.9}
-    plain, _ = tokens_of(cuda_recipe(checkpoints, **sampling), ids)
-    greedy, _ = tokens_of(cuda_recipe(checkpoints), ids)
+    plain, _ = tokens_of(cuda_recipe(checkpoints, dtype=dtype, **sampling), ids)
+    greedy, _ = tokens_of(cuda_recipe(checkpoints, dtype=dtype), ids)
     assert plain != greedy
-    spec, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", **sampling), ids)
-    assert spec == plain, divergence(spec, plain)
+    spec, _ = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype=dtype, **sampling), ids)
+    if dtype == "float32":
+        assert spec == plain, divergence(spec, plain)
+    else:
+        assert sampled_rounding_problems(checkpoints["target"], ids, spec, plain, seed=7, **sampling) == [], \
+            divergence(spec, plain)
     # stochastic drafts: full rejection sampling (the Triton verify kernel's residual path) runs
-    _, totals = tokens_of(cuda_recipe(checkpoints, "eagle3", stochastic=True, temperature=1.0), ids)
+    _, totals = tokens_of(cuda_recipe(checkpoints, "eagle3", dtype=dtype, stochastic=True, temperature=1.0), ids)
     assert totals.spec.num_accepted_tokens > 0
 
 
@@ -176,36 +186,43 @@ def deepseek_pairings(tmp_path_factory):
 
 
 
-def deepseek_recipe(target, method, draft, k, compile=True, **sampling):
+def deepseek_recipe(target, method, draft, k, compile=True, dtype="bfloat16", **sampling):
     d = {"method": method}
     if method != "none":
         d["num_speculative_tokens"] = k
     if draft is not None:
         d["model"] = str(draft)    # MTP has none: its layer is read from the target checkpoint
     return recipe_from_dict({
-        "target": {"model": str(target), "dtype": "bfloat16"}, "draft": d,
+        "target": {"model": str(target), "dtype": dtype}, "draft": d,
         "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, **sampling},
         "runtime": {"device": "cuda", "batch_size": 4, "max_seq_len": 512, "compile": compile},
         "chat_template": False,
     })
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", ["deepseek-mtp", "deepseek-eagle3", "kimi-eagle3-mla", "kimi-dflash"])
-def test_bf16_deepseek_pairings_equal_plain_in_cuda_graphs(deepseek_pairings, name):
-    """MLA (latent cache through the attention kernel, head dim kv_lora_rank + rope) and MoE (grouped
-    GEMM in bf16) inside the CUDA graph, for each DeepSeek-V3 / Kimi K2.5 pairing."""
+def test_deepseek_pairings_equal_plain_in_cuda_graphs(deepseek_pairings, name, dtype):
+    """MLA (latent cache through the latent kernel) and MoE (grouped GEMM) inside the CUDA graph, for
+    each DeepSeek-V3 / Kimi K2.5 pairing: float32 the same tokens, bf16 the same up to near-ties
+    (judged on specgen's own float32 model: transformers does not load Kimi K2.5 without remote code)."""
     target, method, draft, k = deepseek_pairings[name]
     ids = prompts(vocab=DEEPSEEK_VOCAB)
-    plain, _ = tokens_of(deepseek_recipe(target, "none", None, k), ids)
-    spec, totals = tokens_of(deepseek_recipe(target, method, draft, k), ids)
+    plain, _ = tokens_of(deepseek_recipe(target, "none", None, k, dtype=dtype), ids)
+    spec, totals = tokens_of(deepseek_recipe(target, method, draft, k, dtype=dtype), ids)
     assert totals.spec.num_drafts > 0
-    assert spec == plain, divergence(spec, plain)
+    if dtype == "float32":
+        assert spec == plain, divergence(spec, plain)
+    else:
+        assert rounding_problems(target, ids, spec, plain, ours=True) == [], divergence(spec, plain)
 
 
 def test_relaxed_acceptance_in_cuda_graphs_equals_eager(deepseek_pairings):
     """Relaxed acceptance inside the graphed step (the per-row reasoning flag, the relaxed mask, the
     Triton verify kernel's relaxed input) on sampled rows: the eager CUDA step's tokens, and some
-    drafts accepted only by relaxation (tests/test_reasoning.py has the CPU checks)."""
+    drafts accepted only by relaxation (tests/test_reasoning.py has the CPU checks). In float32, where
+    graph and eager compute the same bits (bf16 would part at near-ties, which relaxed acceptance,
+    lossy by design, leaves no reference to judge)."""
     from specgen.pipelines.reasoning import ReasoningMarkers
     from specgen.pipelines.relaxed import RelaxedAcceptance
     from specgen.pipelines.runner import Runner
@@ -216,12 +233,13 @@ def test_relaxed_acceptance_in_cuda_graphs_equals_eager(deepseek_pairings):
     ids = [p + [500] for p in prompts(vocab=DEEPSEEK_VOCAB)]       # each prompt opens a reasoning span
     results = []
     for compile in (False, True):
-        recipe = deepseek_recipe(target, method, draft, k, compile=compile, temperature=0.8, top_p=0.95)
+        recipe = deepseek_recipe(target, method, draft, k, compile=compile, dtype="float32",
+                                 temperature=0.8, top_p=0.95)
         base, _, _ = build_runner(recipe, resolve(recipe), recipe.sampling.seed)
         step = UnifiedStep(base.unified.target, base.unified.draft, use_kernel=True,
                            num_sms=base.unified.num_sms, relaxed=RelaxedAcceptance(16, 0.9, markers))
         runner = Runner(step, batch_size=base.batch_size, max_seq_len=base.max_seq_len, rules=base.rules,
-                        sampling=base.sampling, seed=base.seed, device=base.device, dtype=torch.bfloat16,
+                        sampling=base.sampling, seed=base.seed, device=base.device, dtype=torch.float32,
                         compile=compile, reasoning=markers)
         base.close()
         try:

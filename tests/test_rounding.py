@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from checkpoints import tiny_llama_config, write_llama_checkpoint
-from rounding import first_differences, rounding_problems
+from rounding import first_differences, rounding_problems, sampled_rounding_problems
 from test_speculative import prompts, run
 
 from specgen.job import build_runner, resolve
@@ -52,3 +52,38 @@ def test_bf16_parts_from_float32_only_at_near_ties_and_a_bad_token_is_caught(tar
     broken = dict(rounded, **{key: exact[key][:t] + [worst] + exact[key][t + 1:]})
     problems = rounding_problems(target, ids, broken, exact)
     assert len(problems) == 1 and problems[0].startswith(f"{key} at token {t}: ")
+
+
+def sampled(target, dtype: str, ids):
+    recipe = recipe_from_dict({
+        "target": {"model": str(target), "dtype": dtype}, "draft": {"method": "none"},
+        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, "temperature": 0.8, "top_p": 0.9},
+        "runtime": {"device": "cpu", "batch_size": 4, "max_seq_len": 256, "compile": False},
+        "chat_template": False})
+    runner, _, _ = build_runner(recipe, resolve(recipe), 7)
+    try:
+        return run(runner, ids, 24)[0]
+    finally:
+        runner.close()
+
+
+def test_the_sampled_check_explains_every_token_of_a_run_and_catches_a_bad_one(target):
+    """tests/test_gpu.py's bf16 seeded checks lean on `sampled_rounding_problems`: here it rebuilds every
+    token of a float32 seeded run from transformers' logits and the keyed noise (so its key and
+    position conventions are the runner's), passes bf16 against float32, and catches a swapped token."""
+    ids = [p + [7 + i] for i, p in enumerate(prompts(vocab=512))]
+    exact = sampled(target, "float32", ids)
+    check = {"seed": 7, "temperature": 0.8, "top_p": 0.9}
+    assert sampled_rounding_problems(target, ids, exact, exact, ulps=1, positions="all", **check) == []
+    # specgen's own float32 model as the reference (the Kimi K2.5 pairings on a GPU) explains them too
+    assert sampled_rounding_problems(target, ids, exact, exact, ulps=1, positions="all", ours=True, **check) == []
+    rounded = sampled(target, "bfloat16", ids + [p + [9] for p in ids])
+    assert sampled_rounding_problems(target, ids, {k: rounded[k] for k in exact}, exact, **check) == []
+
+    key, t = "p1", 6
+    unlikely = [tok for tok in range(3, 512) if tok != exact[key][t]][:40]
+    broken = dict(exact, **{key: exact[key][:t] + [unlikely[0]] + exact[key][t + 1:]})
+    found = [sampled_rounding_problems(target, ids, dict(exact, **{key: exact[key][:t] + [tok]}), exact, **check)
+             for tok in unlikely]
+    assert sum(bool(p) for p in found) >= 35          # a token picked at random is almost never explained
+    assert broken[key][t] != exact[key][t]
