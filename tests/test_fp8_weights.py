@@ -92,3 +92,19 @@ def test_an_fp8_weight_whose_rows_straddle_a_block_is_not_fused(tmp_path):
     with pytest.raises(CheckpointError, match="40 rows do not fill 16-row FP8 blocks"):
         load(folder, True)
     assert load(folder, False) is not None                          # dequantised, it loads as before
+
+
+def test_loading_kept_fp8_weights_runs_the_scaled_mm_probe_before_any_step(fp8_target, monkeypatch):
+    """GPU_NOTES 6: the probe copies to the host and syncs, which a CUDA graph capture (the first
+    compiled step) cannot hold; `load_target` runs it for the device, and a probe asked for the first
+    time during a capture is refused, not run."""
+    probed = []
+    monkeypatch.setattr(bf, "scaled_mm_works", lambda device: probed.append(device) or False)
+    load(fp8_target, True)
+    assert probed == [torch.device("cpu")]
+    load(fp8_target, False)
+    assert len(probed) == 1                       # nothing kept as FP8: nothing to probe
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="before a CUDA graph capture"):
+        bf.scaled_mm_works(torch.device("cuda", 7))

@@ -33,6 +33,7 @@ from specgen.checkpoints.store import CheckpointError, weight_files
 from specgen.checkpoints.weights import read_tensor_headers, read_tensors, tensor_names
 from specgen.drafts.precision import target_for_draft
 from specgen.models.decoder import beyond_last_layer
+from specgen.kernels import block_fp8
 from specgen.models.fp8_layers import with_fp8_layers
 from specgen.models.materialise import build
 from specgen.models.tensor_parallel import TensorParallel, rank_shape
@@ -77,6 +78,10 @@ def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device
         make_plain = make
         make = lambda: _converted(lambda: with_fp8_layers(make_plain(), state), folder)  # noqa: E731
     model = build(make, state, dtype=dtype, device=device, seed=seed, where=str(folder))
+    if keep_fp8:
+        # the scaled_mm probe copies to the host and syncs: run it now, never first inside a CUDA
+        # graph capture (the first compiled step's), which it would break (GPU_NOTES 6)
+        block_fp8.scaled_mm_works(torch.device(device))
     return model.eval().requires_grad_(False)
 
 

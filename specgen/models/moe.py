@@ -177,7 +177,10 @@ class RoutedExperts(nn.Module):
         gate, up = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=ends).chunk(2, dim=-1)
         out = F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=ends)
         out = out * weights.reshape(-1)[order].unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(x).index_add(0, token, out)
+        # back to (token, choice) order, then each token's k rows summed in that order: `index_add`
+        # would add them with atomics on CUDA, in bf16, in whatever order the threads land (GPU_NOTES 2)
+        back = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return out[back].view(n, k, -1).sum(dim=1)
 
     def _fp8_pairs(self, x, weights, experts):
         # every (token, expert) pair through its expert's FP8 weights (kernels/block_fp8.py)
