@@ -212,6 +212,7 @@ def _keep_through_ties(x, above, tied, room, p_tie, p):
 # Radix select over an order-preserving 32-bit key, 11 + 11 + 10 bits at a time.
 _RADIX_DIGITS = ((21, 11), (10, 11), (0, 10))
 _INT32_MIN = -(2**31)
+_MASS_SCALE = 2.0**40         # top-p's masses in fixed point: 2**40 x the whole mass fits int64
 
 
 def _order_key(x: torch.Tensor) -> torch.Tensor:
@@ -230,21 +231,26 @@ def _key_to_float(key: torch.Tensor) -> torch.Tensor:
 def _top_p_by_radix_select(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Top-p without sorting: the cut-off logit is found digit by digit from the probability mass in
     each bucket of an order-preserving key (three passes over the row), then ties are resolved as a
-    stable sort would. Same survivors as the sorted definition, up to float rounding of the masses."""
+    stable sort would. Same survivors as the sorted definition, up to the masses' rounding.
+
+    The masses are sums in fixed point (multiples of 2**-40, int64): integer sums are exact in any
+    order, so a bucket's mass does not depend on the order its tokens are added in, which on CUDA
+    (atomic adds in `scatter_add_`) changes from run to run, nor on where in the vocabulary they sit."""
     # x: [B, T, V] float32 (-inf = already dropped); top_p: [B]
     p = top_p[:, None, None]
     log_total = torch.logsumexp(x, dim=-1, keepdim=True)
     probs = torch.exp(x - log_total)
+    fixed = torch.round(probs * _MASS_SCALE).long()                    # exact: the scale is 2**40
     key = _order_key(x + 0.0)          # + 0.0 turns -0.0 into +0.0: one key for one compared value
     cutoff = torch.zeros_like(log_total, dtype=torch.int64)            # the cut-off's key, digit by digit
-    need = p.expand_as(log_total).clone()                              # mass still to reach inside it
+    need = torch.round(p.double() * _MASS_SCALE).long().expand_as(cutoff).clone()   # mass still to reach
     for shift, width in _RADIX_DIGITS:
         digit = ((key >> shift) & ((1 << width) - 1)).long()
-        weight = probs
+        weight = fixed
         if shift + width < 32:   # only keys that share the digits chosen so far
             higher = -(1 << (shift + width))                           # mask of the digits above
-            weight = probs.masked_fill((key & higher) != _as_int32(cutoff & higher), 0.0)
-        mass = torch.zeros(*x.shape[:2], 1 << width, dtype=probs.dtype, device=x.device)
+            weight = fixed.masked_fill((key & higher) != _as_int32(cutoff & higher), 0)
+        mass = torch.zeros(*x.shape[:2], 1 << width, dtype=torch.int64, device=x.device)
         mass.scatter_add_(-1, digit, weight)
         at_or_above = mass.flip(-1).cumsum(-1).flip(-1)               # mass of buckets >= b
         # never more than the candidates hold (rounding): then their lowest bucket is chosen
@@ -256,7 +262,7 @@ def _top_p_by_radix_select(x: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor
         cutoff = cutoff | (chosen << shift)
     threshold = _key_to_float(cutoff)
     p_tie = torch.exp(threshold - log_total)
-    return _keep_through_ties(x, x > threshold, x == threshold, need, p_tie, p)
+    return _keep_through_ties(x, x > threshold, x == threshold, need.to(x.dtype) / _MASS_SCALE, p_tie, p)
 
 
 def _as_int32(v: torch.Tensor) -> torch.Tensor:

@@ -319,3 +319,33 @@ def test_sample_draft_has_no_host_sync():
     compiled = torch.compile(sample_draft, backend="eager", fullgraph=True)
     for a, b in zip(compiled(*args), sample_draft(*args)):
         assert torch.equal(a, b)
+
+
+def test_top_p_keeps_the_same_tokens_whatever_order_its_masses_are_added_in(monkeypatch):
+    """GPU_NOTES 2: radix select sums each bucket's probability mass with `scatter_add_`, which on
+    CUDA adds with atomics, in a new order each run. Summed in floats, the order moved the mass's last
+    bits, and with them how many tokens tied at the cut-off survive; summed in fixed point it cannot.
+    Here `scatter_add_` adds its elements in shuffled orders (what atomics do), on rows of varied tokens
+    above a block of tied ones, top_p placed so that the tied tokens' allowance lands near a whole
+    number: every order keeps the same tokens."""
+    gen = torch.Generator().manual_seed(11)
+    V, rows = 4096, 24
+    logits = torch.full((rows, 1, V), -30.0)
+    logits[:, 0, :300] = torch.randn(rows, 300, generator=gen) * 0.3 + 2.0        # above the cut-off
+    logits[:, 0, 300:700] = 1.0                                                    # tied at the cut-off
+    probs = torch.softmax(logits[:, 0].double(), dim=-1)
+    above, tie = probs[:, :300].sum(-1), probs[:, 300]
+    top_p = (above + 137.0 * tie).float().tolist()          # the allowance: 137 tied tokens, to rounding
+    params = SamplingTensors.build([1.0] * rows, [0] * rows, top_p, [0.0] * rows)
+    base = process_logits(logits, params)
+    in_order = torch.Tensor.scatter_add_
+    for seed in range(6):
+        order = torch.randperm(V, generator=torch.Generator().manual_seed(seed))
+
+        def shuffled(self, dim, index, src, order=order):
+            return in_order(self, dim, index[..., order], src[..., order])
+
+        monkeypatch.setattr(torch.Tensor, "scatter_add_", shuffled)
+        moved = process_logits(logits, params)
+        monkeypatch.undo()
+        assert torch.equal(torch.isfinite(moved), torch.isfinite(base))
