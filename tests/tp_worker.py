@@ -93,6 +93,7 @@ def main() -> None:
         model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False, tp=tp, keep_fp8=keep)
         torch.save(forward_twice(model, model.vocab_size), out / f"{mode}-rank-{tp.rank}.pt")
     if distributed:
+        dist.barrier()      # as World.stop does: no rank tears the group down under a peer's collective
         dist.destroy_process_group()
 
 

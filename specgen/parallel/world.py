@@ -121,6 +121,10 @@ class World:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            # every rank here before any tears its groups down: a rank that destroyed them while a
+            # peer's last collective was still in gloo's hands made that peer abort at exit
+            # ("terminate called without an active exception", tensor parallel with FP8 kept)
+            dist.barrier(group=self.host_group)
             dist.destroy_process_group()
         self.host_group = self.tp_host_group = None
         self.tp = TensorParallel()
