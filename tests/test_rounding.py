@@ -20,15 +20,16 @@ def target(tmp_path_factory):
     return write_llama_checkpoint(tmp_path_factory.mktemp("rounding") / "target", config)
 
 
-def plain(target, dtype: str, ids):
+def plain(target, dtype: str, ids, max_tokens=40, **sampling):
+    """Plain decoding of `ids` (greedy, or as `sampling` says), seed 7: request id -> tokens."""
     recipe = recipe_from_dict({
         "target": {"model": str(target), "dtype": dtype}, "draft": {"method": "none"},
-        "sampling": {"max_tokens": 40, "ignore_eos": True, "seed": 7},
+        "sampling": {"max_tokens": max_tokens, "ignore_eos": True, "seed": 7, **sampling},
         "runtime": {"device": "cpu", "batch_size": 4, "max_seq_len": 256, "compile": False},
         "chat_template": False})
     runner, _, _ = build_runner(recipe, resolve(recipe), 7)
     try:
-        return run(runner, ids, 40)[0]
+        return run(runner, ids, max_tokens)[0]
     finally:
         runner.close()
 
@@ -55,16 +56,7 @@ def test_bf16_parts_from_float32_only_at_near_ties_and_a_bad_token_is_caught(tar
 
 
 def sampled(target, dtype: str, ids):
-    recipe = recipe_from_dict({
-        "target": {"model": str(target), "dtype": dtype}, "draft": {"method": "none"},
-        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7, "temperature": 0.8, "top_p": 0.9},
-        "runtime": {"device": "cpu", "batch_size": 4, "max_seq_len": 256, "compile": False},
-        "chat_template": False})
-    runner, _, _ = build_runner(recipe, resolve(recipe), 7)
-    try:
-        return run(runner, ids, 24)[0]
-    finally:
-        runner.close()
+    return plain(target, dtype, ids, 24, temperature=0.8, top_p=0.9)
 
 
 def test_the_sampled_check_explains_every_token_of_a_run_and_catches_a_bad_one(target):
