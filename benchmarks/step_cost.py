@@ -11,7 +11,11 @@ Every runner is built and warmed up first, then the timed runs go round them `--
 (plain, then each draft at each K), and each figure is the median over its rounds: a VM's speed
 drifts by 10-20% over minutes, which runs one after the other read as a difference between them.
 `--dummy` swaps in random-init drafts of the published layouts instead (EAGLE-3's then has the
-target's whole vocabulary as its head, where the shipped draft has 8,192 rows).
+target's whole vocabulary as its head, where the shipped draft has 8,192 rows). `--target-recipe`
+times another target (e.g. recipes/llama3.1-8b-dummy-ar.yaml, the Llama-3.1-8B shape with random
+weights): plain decoding with that recipe, each method as that recipe with a random-init draft of the
+method (so `--dummy` is implied); `--set KEY=VALUE` overrides every recipe (e.g. fewer layers to
+rehearse a GPU run on a CPU: `--set target.hf_overrides.num_hidden_layers=1`).
 
 `--profile` adds, per configuration, where a step's time goes (CPU, compiled): the torch profiler
 over one more run, Inductor's kernels timed one by one, in ms a step: the target's GEMMs (those of
@@ -20,7 +24,7 @@ kernels, the Python of the compiled graph between its kernels, and the eager pre
 (spread over the run's steps). It compiles every step again (kernel timers change the code).
 
     python benchmarks/step_cost.py --batch-sizes 1 8 --ks 1 2 3 [--compile] [--dummy] [--profile]
-        [--dtype float32] [--draft-dtype float32] [--rounds 5]
+        [--dtype float32] [--draft-dtype float32] [--rounds 5] [--target-recipe R.yaml] [--set K=V ...]
 """
 
 from __future__ import annotations
@@ -44,15 +48,20 @@ class Timed:
     """A runner of one method, its prompts, and the wall time of each call of its step functions."""
 
     def __init__(self, method: str, ks: list[int], batch: int, compile: bool, dummy: bool, dtype: str,
-                 draft_dtype: str) -> None:
+                 draft_dtype: str, target_recipe: str | None = None, extra: list[str] = ()) -> None:
         overrides = [f"runtime.batch_size={batch}", "sampling.ignore_eos=true", "train=null",
-                     f"runtime.compile={str(compile).lower()}", f"target.dtype={dtype}"]
+                     f"runtime.compile={str(compile).lower()}", f"target.dtype={dtype}", *extra]
+        path = RECIPES[method]
+        if target_recipe is not None:
+            path, dummy = target_recipe, True
+            if method != "none":
+                overrides.append(f"draft.method={method}")
         if method != "none":
             overrides += ["draft.num_speculative_tokens=auto", f"draft.max_speculative_tokens={max(*ks, 1)}",
                           f"draft.dtype={draft_dtype}"]
             if dummy:
                 overrides += ["draft.load_format=dummy", "draft.model=null"]
-        recipe = load_recipe(RECIPES[method], overrides)
+        recipe = load_recipe(path, overrides)
         self.runner, tokenizer, _ = build_runner(recipe, resolve(recipe), 0)
         self.prompts = [tokenizer.encode(f"Tell me a story about the number {i}.") for i in range(batch)]
         self.calls = _time_calls(self.runner.functions)
@@ -123,6 +132,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="target.dtype (auto: the recipe's choice)")
     parser.add_argument("--draft-dtype", default="auto", help="draft.dtype (auto: bf16 where native)")
     parser.add_argument("--dummy", action="store_true", help="random-init drafts instead of the shipped ones")
+    parser.add_argument("--target-recipe", help="another target's plain recipe (drafts random-init)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe override")
     args = parser.parse_args()
     if args.profile and not args.compile:
         parser.error("--profile times a compiled step's kernels: add --compile")
@@ -130,7 +141,8 @@ def main() -> None:
         import torch._inductor.config as inductor
         inductor.cpp.enable_kernel_profile = True
     for batch in args.batch_sizes:
-        timed = {m: Timed(m, args.ks, batch, args.compile, args.dummy, args.dtype, args.draft_dtype)
+        timed = {m: Timed(m, args.ks, batch, args.compile, args.dummy, args.dtype, args.draft_dtype,
+                          args.target_recipe, args.set)
                  for m in ["none", *args.methods]}
         configs = [(m, k) for m in timed for k in ([0] if m == "none" else args.ks)]
         for m, k in configs:        # same lengths as the timed runs: every compiled variant is built here
