@@ -111,3 +111,46 @@ def test_on_the_gpu_the_op_equals_the_reference_at_deepseek_v3_shapes():
     expected = bf.block_fp8_linear_reference(x, weight, scale).float()
     got = torch.ops.specgen.block_fp8_linear(*(t.cuda() for t in (x, weight, scale)), 128).float().cpu()
     assert (got - expected).norm() / expected.norm() < 1e-2
+
+
+@pytest.mark.parametrize("P,E,N,K,block", [(1, 2, 128, 128, 128), (45, 4, 200, 300, 128), (70, 6, 48, 40, 16)])
+def test_the_grouped_kernel_equals_the_pairs_reference(P, E, N, K, block):
+    """Pairs sorted by expert in blocks of one expert each (some experts unused, some blocks partial):
+    the same rows as the per-pair reference, each pair's row in its own place."""
+    weight, scale = experts_stack(E, N, K, block)
+    x, _, _ = layer(P, N, K, block, seed=9)
+    experts = torch.randint(0, E - 1, (P,), generator=torch.Generator().manual_seed(3))   # expert E-1 unused
+    expected = bf.block_fp8_pairs_reference(x, experts, weight, scale, block)
+    got = bf.block_fp8_grouped_triton(*(t.to(KERNEL_DEVICE) for t in (x, experts, weight, scale)), block).cpu()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_grouped_layout_puts_each_pair_once_in_blocks_of_its_expert():
+    experts = torch.tensor([2, 0, 2, 2, 1, 0, 2, 2, 2])
+    rows, block_expert = bf.grouped_layout(experts, 4, 4)
+    assert rows.shape == ((9 + 3) // 4 * 4 + 4 * 4,) and block_expert.shape == (7,)
+    assert sorted(r for r in rows.tolist() if r >= 0) == list(range(9))
+    for b, e in enumerate(block_expert.tolist()):
+        members = [r for r in rows[4 * b:4 * b + 4].tolist() if r >= 0]
+        assert (e == -1) == (not members) and all(int(experts[r]) == e for r in members)
+    assert block_expert.tolist() == [0, 1, 2, 2, -1, -1, -1]
+
+
+def test_routed_experts_take_the_grouped_kernel_from_enough_pairs_on(monkeypatch):
+    """The op's choice (`block_fp8_pairs`): per pair below GROUPED_MIN_PAIRS (decode steps), grouped from
+    it on (prefill chunks, large batches); both give the reference's rows. Run here with the kernels in
+    the interpreter, as a GPU with FP8 tensor cores would choose."""
+    monkeypatch.setattr(bf, "fp8_gemm_supported", lambda device: True)
+    monkeypatch.setattr(bf, "GROUPED_MIN_PAIRS", 40)
+    called = []
+    for name in ("block_fp8_pairs_triton", "block_fp8_grouped_triton"):
+        real = getattr(bf, name)
+        monkeypatch.setattr(bf, name, lambda *a, real=real, name=name: called.append(name) or real(*a))
+    weight, scale = experts_stack(4, 64, 128, 64)
+    for P in (39, 40):
+        x, _, _ = layer(P, 64, 128, 64, seed=4)
+        experts = torch.randint(0, 4, (P,), generator=torch.Generator().manual_seed(P))
+        got = torch.ops.specgen.block_fp8_pairs(x, experts, weight, scale, 64)
+        torch.testing.assert_close(got, bf.block_fp8_pairs_reference(x, experts, weight, scale, 64),
+                                   rtol=1e-5, atol=1e-5)
+    assert called == ["block_fp8_pairs_triton", "block_fp8_grouped_triton"]

@@ -16,9 +16,11 @@ activations' FP8 rounding (3 mantissa bits: about 2^-4 of each slice's largest v
 
 Routed experts (`block_fp8_pairs`): P (token, expert) pairs, `x [P, K]` and `experts [P]` int64 into
 a stack `weight [E, N, K]` FP8 with `weight_scale [E, ceil(N/BW), ceil(K/BW)]`: row p is x_p W_e^T
-with e = experts[p], the same block-scaled sum. Its kernel is one matrix-vector product per pair
-(weights read per pair: decode-sized steps, where few pairs share an expert), it takes the
-devices the GEMM does; its reference gathers and dequantises the pairs' experts.
+with e = experts[p], the same block-scaled sum. Two kernels, on the devices the GEMM takes: one
+matrix-vector product per pair (weights read per pair: decode-sized steps, where few pairs share an
+expert), and from GROUPED_MIN_PAIRS pairs on a grouped GEMM over the pairs sorted by expert in blocks
+of one expert each (`grouped_layout`, static shapes), which reads an expert's weights once per block
+of its pairs (prefill, large batches). The reference gathers and dequantises the pairs' experts.
 
 On CUDA, `block_fp8_linear` takes torch's own blockwise `F.scaled_mm` (1 x 128 activation scales,
 128 x 128 weight scales: cuBLAS on Hopper) where this torch and GPU run it and it agrees with the
@@ -43,6 +45,7 @@ from .keyed_noise import tl, triton
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0                 # the largest finite e4m3fn value
 BLOCK = 128                     # DeepSeek-V3's weight block and activation group
+GROUPED_MIN_PAIRS = 1024        # (token, expert) pairs from which routed experts take the grouped GEMM
 
 
 def fp8_gemm_supported(device: torch.device) -> bool:
@@ -146,17 +149,53 @@ def _block_fp8_pairs_kernel(x_ptr, xs_ptr, e_ptr, w_ptr, ws_ptr, out_ptr, N, K, 
     tl.store(out_ptr + pair * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
+def _block_fp8_grouped_kernel(x_ptr, xs_ptr, rows_ptr, block_expert_ptr, w_ptr, ws_ptr, out_ptr,
+                              N, K, KB, NB, stride_xm, stride_we, stride_wn, stride_om,
+                              BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              DOT_K: tl.constexpr):
+    # program (block of BLOCK_M pairs of one expert, N tile): rows_ptr holds the pairs of each expert
+    # in blocks of BLOCK_M (-1 = padding), block_expert_ptr each block's expert (-1 = unused block).
+    # Each scale block of K is multiplied DOT_K columns at a time (smaller tiles in registers), its
+    # products summed, then scaled once by the block's two scales.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows >= 0
+    rows = tl.where(valid, rows, 0).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, DOT_K)
+    w_block_row = (pid_n * BLOCK_N) // BLOCK_K
+    w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * stride_we
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.where(expert >= 0, KB, 0)):        # an unused block reads nothing
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for half in tl.static_range(BLOCK_K // DOT_K):
+            k = kb * BLOCK_K + half * DOT_K + ks
+            a = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=valid[:, None] & (k[None, :] < K),
+                        other=0.0)
+            b = tl.load(w_base + cols[None, :] * stride_wn + k[:, None],
+                        mask=(cols[None, :] < N) & (k[:, None] < K), other=0.0)
+            part += tl.dot(a, b)
+        a_scale = tl.load(xs_ptr + rows * KB + kb, mask=valid, other=0.0)
+        b_scale = tl.load(ws_ptr + (tl.maximum(expert, 0) * NB + w_block_row) * KB + kb)
+        acc += part * a_scale[:, None] * b_scale
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & (cols[None, :] < N))
+
+
 _jitted = False
 
 
 def jit_kernels() -> None:
-    global _jitted, _block_fp8_gemm_kernel, _block_fp8_pairs_kernel
+    global _jitted, _block_fp8_gemm_kernel, _block_fp8_pairs_kernel, _block_fp8_grouped_kernel
     if _jitted:
         return
     if triton is None:
         raise RuntimeError("triton is not installed")
     _block_fp8_gemm_kernel = triton.jit(_block_fp8_gemm_kernel)
     _block_fp8_pairs_kernel = triton.jit(_block_fp8_pairs_kernel)
+    _block_fp8_grouped_kernel = triton.jit(_block_fp8_grouped_kernel)
     _jitted = True
 
 
@@ -214,6 +253,60 @@ def block_fp8_pairs_triton(x: torch.Tensor, experts: torch.Tensor, weight: torch
         x_fp8, x_scale, experts, weight, weight_scale, out, N, K, KB, NB,
         x_fp8.stride(0), weight.stride(0), weight.stride(1), out.stride(0), BLOCK_K=block, BLOCK_N=block_n,
         num_warps=launch.num_warps, num_stages=launch.num_stages)
+    return out
+
+
+def grouped_layout(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs sorted by expert in blocks of `block_m` rows of one expert each, with static shapes (no
+    host sync: the step is one graph): (rows [blocks * block_m] pair index or -1, block_expert [blocks]
+    expert or -1), blocks = ceil(P / block_m) + E, enough for every expert's last block to be partial."""
+    # experts: [P] int64
+    P = experts.shape[0]
+    blocks = -(-P // block_m) + num_experts
+    order = experts.argsort(stable=True)                              # pair ids, grouped by expert
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    counts = counts.scatter_add(0, experts, torch.ones_like(experts))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = padded.cumsum(0)
+    sorted_experts = experts[order]
+    slot = (padded_ends - padded)[sorted_experts] + torch.arange(P, device=experts.device) \
+        - (counts.cumsum(0) - counts)[sorted_experts]
+    rows = torch.full((blocks * block_m,), -1, dtype=torch.int64, device=experts.device)
+    rows = rows.scatter(0, slot, order)
+    starts = torch.arange(blocks, device=experts.device) * block_m
+    block_expert = torch.searchsorted(padded_ends, starts, right=True)
+    block_expert = torch.where(starts < padded_ends[-1], block_expert, -1)
+    return rows, block_expert
+
+
+def block_fp8_grouped_triton(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor,
+                             weight_scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """`block_fp8_pairs`' contract through a grouped GEMM over expert-sorted pairs: each program
+    multiplies a block of pairs of one expert by a tile of its weights, so an expert's weights are
+    read once per block of pairs, not once per pair (prefill, large batches)."""
+    # x: [P, K]; experts: [P]; weight: [E, N, K] e4m3fn; weight_scale: [E, NB, KB] -> [P, N]
+    if not _jitted:
+        jit_kernels()
+    P, K = x.shape
+    E, N = weight.shape[:2]
+    KB, NB = -(-K // block), -(-N // block)
+    launch = launch_configs.BLOCK_FP8_GROUPED
+    block_m, block_n = launch.tiles["BLOCK_M"], min(launch.tiles["BLOCK_N"], block)
+    assert weight.dtype == FP8 and weight.shape[2] == K and weight.stride(2) == 1, "weight: [E, N, K] e4m3fn"
+    assert weight_scale.shape == (E, NB, KB) and weight_scale.dtype == torch.float32
+    assert experts.shape == (P,) and experts.dtype == torch.int64 and block % block_n == 0
+    assert block % min(launch.tiles["DOT_K"], block) == 0, "DOT_K must divide the scale block"
+    weight_scale = weight_scale.contiguous()
+    x_fp8, x_scale = quantize_activations(x, block)
+    out = torch.empty(P, N, dtype=x.dtype, device=x.device)
+    if P == 0 or N == 0:
+        return out
+    rows, block_expert = grouped_layout(experts.contiguous(), E, block_m)
+    _block_fp8_grouped_kernel[(block_expert.shape[0], triton.cdiv(N, block_n))](
+        x_fp8, x_scale, rows, block_expert, weight, weight_scale, out, N, K, KB, NB,
+        x_fp8.stride(0), weight.stride(0), weight.stride(1), out.stride(0), BLOCK_K=block, BLOCK_M=block_m,
+        BLOCK_N=block_n, DOT_K=min(launch.tiles["DOT_K"], block), num_warps=launch.num_warps,
+        num_stages=launch.num_stages)
     return out
 
 
@@ -275,9 +368,15 @@ def _(x, weight, weight_scale, block):
 @torch.library.custom_op("specgen::block_fp8_pairs", mutates_args=())
 def block_fp8_pairs(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                     block: int) -> torch.Tensor:
-    """The pairs' kernel where Triton loads FP8 (`fp8_gemm_supported`), the reference elsewhere; one
-    opaque op to torch.compile."""
+    """The pairs' kernels where Triton loads FP8 (`fp8_gemm_supported`), the reference elsewhere; one
+    opaque op to torch.compile. From GROUPED_MIN_PAIRS pairs on (a prefill chunk, a large batch) the
+    grouped GEMM, which reads an expert's weights once per block of its pairs: per pair, a
+    16,384-token prefill of DeepSeek-V3 reads about 3.9 TB a layer, grouped about 7.5 GB. Below it the
+    per-pair product, whose one row per program suits decode steps where few pairs share an expert.
+    The shapes are static, so each compiled step or graph takes one of them for good."""
     if fp8_gemm_supported(x.device):
+        if x.shape[0] >= GROUPED_MIN_PAIRS:
+            return block_fp8_grouped_triton(x, experts, weight, weight_scale, block)
         return block_fp8_pairs_triton(x, experts, weight, weight_scale, block)
     return block_fp8_pairs_reference(x, experts, weight, weight_scale, block)
 

@@ -68,6 +68,7 @@ VERIFY = Launch({"BLOCK_V": 1024}, num_warps=4, num_stages=1)
 # Block-FP8 products (kernels/block_fp8.py; compute capability 8.9+, so checked on sm_90 only).
 BLOCK_FP8_GEMM = Launch({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=8, num_stages=2)
 BLOCK_FP8_PAIRS = Launch({"BLOCK_N": 32}, num_warps=8, num_stages=2)
+BLOCK_FP8_GROUPED = Launch({"BLOCK_M": 32, "BLOCK_N": 64, "DOT_K": 64}, num_warps=8, num_stages=2)
 
 
 def padded_head_dim(head_dim: int) -> int:

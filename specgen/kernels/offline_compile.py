@@ -186,6 +186,14 @@ def launch_cases() -> list[LaunchCase]:
         cases.append(LaunchCase(f"block-FP8 pairs -> {out}", block_fp8._block_fp8_pairs_kernel, signature,
                                 {"BLOCK_K": block_fp8.BLOCK, **pairs.tiles}, pairs.num_warps, pairs.num_stages,
                                 archs=(90,)))
+        grouped = launch_configs.BLOCK_FP8_GROUPED
+        signature = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "rows_ptr": "*i64", "block_expert_ptr": "*i64",
+                     "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*" + out,
+                     **_ints("N K KB NB stride_xm stride_we stride_wn stride_om"),
+                     **_constexprs(["BLOCK_K", *grouped.tiles])}
+        cases.append(LaunchCase(f"block-FP8 grouped -> {out}", block_fp8._block_fp8_grouped_kernel, signature,
+                                {"BLOCK_K": block_fp8.BLOCK, **grouped.tiles}, grouped.num_warps,
+                                grouped.num_stages, archs=(90,)))
     return cases
 
 
