@@ -230,20 +230,26 @@ def block_fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     return out
 
 
-def block_fp8_pairs_triton(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor,
-                           weight_scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """Guarded launch: activations quantised (PyTorch), then one block-scaled product per pair."""
-    # x: [P, K]; experts: [P] int64; weight: [E, N, K] fp8; weight_scale: [E, nb, kb] -> [P, N] x.dtype
+def _expert_stack_shapes(x, experts, weight, weight_scale, block: int, block_n: int) -> tuple[int, ...]:
+    """The routed-expert kernels' inputs checked (and the kernels jitted): (P, K, E, N, KB, NB)."""
     if not _jitted:
         jit_kernels()
     P, K = x.shape
     E, N = weight.shape[:2]
     KB, NB = -(-K // block), -(-N // block)
-    launch = launch_configs.BLOCK_FP8_PAIRS
-    block_n = min(launch.tiles["BLOCK_N"], block)
     assert weight.dtype == FP8 and weight.shape[2] == K and weight.stride(2) == 1, "weight: [E, N, K] e4m3fn"
     assert weight_scale.shape == (E, NB, KB) and weight_scale.dtype == torch.float32
     assert experts.shape == (P,) and experts.dtype == torch.int64 and block % block_n == 0
+    return P, K, E, N, KB, NB
+
+
+def block_fp8_pairs_triton(x: torch.Tensor, experts: torch.Tensor, weight: torch.Tensor,
+                           weight_scale: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """Guarded launch: activations quantised (PyTorch), then one block-scaled product per pair."""
+    # x: [P, K]; experts: [P] int64; weight: [E, N, K] fp8; weight_scale: [E, nb, kb] -> [P, N] x.dtype
+    launch = launch_configs.BLOCK_FP8_PAIRS
+    block_n = min(launch.tiles["BLOCK_N"], block)
+    P, K, E, N, KB, NB = _expert_stack_shapes(x, experts, weight, weight_scale, block, block_n)
     weight_scale, experts = weight_scale.contiguous(), experts.contiguous()
     x_fp8, x_scale = quantize_activations(x, block)
     out = torch.empty(P, N, dtype=x.dtype, device=x.device)
@@ -285,16 +291,9 @@ def block_fp8_grouped_triton(x: torch.Tensor, experts: torch.Tensor, weight: tor
     multiplies a block of pairs of one expert by a tile of its weights, so an expert's weights are
     read once per block of pairs, not once per pair (prefill, large batches)."""
     # x: [P, K]; experts: [P]; weight: [E, N, K] e4m3fn; weight_scale: [E, NB, KB] -> [P, N]
-    if not _jitted:
-        jit_kernels()
-    P, K = x.shape
-    E, N = weight.shape[:2]
-    KB, NB = -(-K // block), -(-N // block)
     launch = launch_configs.BLOCK_FP8_GROUPED
     block_m, block_n = launch.tiles["BLOCK_M"], min(launch.tiles["BLOCK_N"], block)
-    assert weight.dtype == FP8 and weight.shape[2] == K and weight.stride(2) == 1, "weight: [E, N, K] e4m3fn"
-    assert weight_scale.shape == (E, NB, KB) and weight_scale.dtype == torch.float32
-    assert experts.shape == (P,) and experts.dtype == torch.int64 and block % block_n == 0
+    P, K, E, N, KB, NB = _expert_stack_shapes(x, experts, weight, weight_scale, block, block_n)
     assert block % min(launch.tiles["DOT_K"], block) == 0, "DOT_K must divide the scale block"
     weight_scale = weight_scale.contiguous()
     x_fp8, x_scale = quantize_activations(x, block)
