@@ -653,12 +653,15 @@ def run_job(recipe: Recipe, *, prompts: str | None = None, output: str | None = 
     memory = check_memory(recipe, r, ranks_here=world.local_size)
     joined_here = world.distributed and world.host_group is None
     world.start(r.device, recipe.runtime.tensor_parallel_size, recipe.runtime.expert_parallel)
+    clean = False
     try:
-        return _run_shard(recipe, r, world, records, out_path, memory, resume, started,
-                          on_start, on_progress, on_status)
+        summary = _run_shard(recipe, r, world, records, out_path, memory, resume, started,
+                             on_start, on_progress, on_status)
+        clean = True
+        return summary
     finally:
         if joined_here:
-            world.stop()
+            world.stop(clean)
 
 
 def _run_shard(recipe: Recipe, r: Resolved, world: World, records: list[PromptRecord], out_path: Path,

@@ -115,16 +115,19 @@ class World:
                     self.tp_host_group = host
         self._joined = True
 
-    def stop(self) -> None:
+    def stop(self, clean: bool = True) -> None:
+        """Leave the process group. `clean`: every rank finished its part (then they meet first);
+        after an error only this rank is here, and its peers' collectives would never match a barrier."""
         if not self._joined:
             return
         import torch.distributed as dist
 
         if dist.is_initialized():
-            # every rank here before any tears its groups down: a rank that destroyed them while a
-            # peer's last collective was still in gloo's hands made that peer abort at exit
-            # ("terminate called without an active exception", tensor parallel with FP8 kept)
-            dist.barrier(group=self.host_group)
+            if clean:
+                # every rank here before any tears its groups down: a rank that destroyed them while
+                # a peer's last collective was still in gloo's hands made that peer abort at exit
+                # ("terminate called without an active exception", tensor parallel with FP8 kept)
+                dist.barrier(group=self.host_group)
             dist.destroy_process_group()
         self.host_group = self.tp_host_group = None
         self.tp = TensorParallel()
