@@ -108,3 +108,16 @@ def test_loading_kept_fp8_weights_runs_the_scaled_mm_probe_before_any_step(fp8_t
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.raises(RuntimeError, match="before a CUDA graph capture"):
         bf.scaled_mm_works(torch.device("cuda", 7))
+
+
+def test_the_probe_at_load_and_the_step_share_one_key_per_gpu(monkeypatch):
+    """`load_target` probes `torch.device("cuda")`, a step asks for its tensors' `cuda:0`: one probe."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.nn.functional, "ScalingType", None, raising=False)
+    monkeypatch.delattr(torch.nn.functional, "ScalingType")       # no blockwise scaled_mm: probe says no
+    monkeypatch.setattr(bf, "_SCALED_MM_WORKS", {})
+    assert bf.scaled_mm_works(torch.device("cuda")) is False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert bf.scaled_mm_works(torch.device("cuda", 0)) is False      # cached: no probe inside a capture
+    assert list(bf._SCALED_MM_WORKS) == ["cuda:0"]

@@ -324,6 +324,8 @@ _SCALED_MM_WORKS: dict[str, bool] = {}
 def scaled_mm_works(device: torch.device) -> bool:
     """Whether torch's blockwise `F.scaled_mm` runs on `device` and agrees with the reference, from
     one probe problem per device (its layouts and GPUs have changed between torch releases)."""
+    if device.type == "cuda" and device.index is None:     # "cuda" at load, "cuda:0" at a step: one key
+        device = torch.device("cuda", torch.cuda.current_device())
     key = str(device)
     if key not in _SCALED_MM_WORKS and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("the scaled_mm probe must run before a CUDA graph capture (load_target runs it)")
