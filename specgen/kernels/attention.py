@@ -283,7 +283,7 @@ def attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
         T, D, float(scale), split_chunk(L, splits),
-        GROUP=group, KV_HEADS=Hkv, BLOCK_D=max(16, triton.next_power_of_2(D)), IEEE=q.dtype == torch.float32,
+        GROUP=group, KV_HEADS=Hkv, BLOCK_D=launch_configs.padded_head_dim(D), IEEE=q.dtype == torch.float32,
         **launch.tiles, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return merge_splits_triton(part, lse, q.dtype)
@@ -313,7 +313,7 @@ def merge_splits_triton(part: torch.Tensor, lse: torch.Tensor, dtype: torch.dtyp
     if rows:
         merge = launch_configs.MERGE
         _merge_kernel[(rows,)](part, lse, out, splits, D, BLOCK_S=triton.next_power_of_2(splits),
-                               BLOCK_D=max(16, triton.next_power_of_2(D)),
+                               BLOCK_D=launch_configs.padded_head_dim(D),
                                num_warps=merge.num_warps, num_stages=merge.num_stages)
     return out
 

@@ -147,7 +147,7 @@ def latent_attention_triton(q: torch.Tensor, cache: torch.Tensor, rows: torch.Te
         cache.stride(0), cache.stride(2),
         part.stride(0), part.stride(1), part.stride(2), part.stride(3),
         T, R, P, float(scale), generic.split_chunk(cache.shape[2], splits),
-        HEADS=H, BLOCK_R=max(16, triton.next_power_of_2(R)), BLOCK_P=max(16, triton.next_power_of_2(P)),
+        HEADS=H, BLOCK_R=launch_configs.padded_head_dim(R), BLOCK_P=launch_configs.padded_head_dim(P),
         IEEE=q.dtype == torch.float32, **launch.tiles, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     return generic.merge_splits_triton(part, lse, q.dtype)

@@ -130,7 +130,7 @@ def launch_cases() -> list[LaunchCase]:
                              **_ints("sq_b sq_t sq_h sk_s sk_h sk_l so_b so_t so_h so_s T D"),
                              "scale": "fp32", "chunk": "i32",
                              **_constexprs(["GROUP", "KV_HEADS", "BLOCK_D", "IEEE", *launch.tiles])}
-                constexprs = {"GROUP": 4, "KV_HEADS": 8, "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+                constexprs = {"GROUP": 4, "KV_HEADS": 8, "BLOCK_D": launch_configs.padded_head_dim(head_dim),
                               "IEEE": dtype == "fp32", **launch.tiles}
                 cases.append(LaunchCase(f"attention {dtype} head_dim {head_dim}", attention._attention_kernel,
                                         signature, constexprs, launch.num_warps, launch.num_stages))
