@@ -47,7 +47,7 @@ def run(
         console.print(f"[red]{err}[/red]", markup=True, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     from specgen.job import JobError, run_job  # heavy imports only once the recipe is valid
-    from specgen.parallel.world import World
+    from specgen.parallel.world import World, leave_process
 
     try:
         world = World.from_env()
@@ -77,11 +77,18 @@ def run(
     def on_status(line: str) -> None:
         bar.console.print(line if world.leader else f"rank {world.rank}: {line}", highlight=False)
 
-    with _stopping_cleanly(bar, JobError, f"Finished results are safe in {out}; run the same command "
-                                          "again to resume (ids already written are skipped)."):
-        summary = run_job(parsed, prompts=prompts, output=output, limit=limit, resume=not no_resume,
-                          on_start=on_start, on_progress=on_progress, on_status=on_status, world=world)
+    try:
+        with _stopping_cleanly(bar, JobError, f"Finished results are safe in {out}; run the same command "
+                                              "again to resume (ids already written are skipped)."):
+            summary = run_job(parsed, prompts=prompts, output=output, limit=limit, resume=not no_resume,
+                              on_start=on_start, on_progress=on_progress, on_status=on_status, world=world)
+    except typer.Exit as done:
+        if world.distributed:           # a rank leaves without finalizing (parallel/world.leave_process)
+            leave_process(done.exit_code)
+        raise
     if not world.leader:
+        if world.distributed:
+            leave_process(0)
         return
     _print_summary(summary)
     if summary.stats["errors"]:
@@ -90,7 +97,10 @@ def run(
         code = 0 if world.distributed else EXIT_ERROR_RECORDS
         console.print(f"[yellow]{summary.stats['errors']} of {summary.stats['requests']} records are errors "
                       f"(finish_reason \"error\"): exit code {code}[/yellow]", highlight=False)
-        raise typer.Exit(code)
+        if not world.distributed:
+            raise typer.Exit(code)
+    if world.distributed:
+        leave_process(0)
 
 
 @contextmanager
@@ -280,10 +290,15 @@ def bench(
     write_json(report, out, " ".join(shlex.quote(a) for a in ["specgen", *sys.argv[1:]]))
     write_png(report, png)
     console.print(f"report: {out}\nplot:   {png}", highlight=False, soft_wrap=True)
-    failures = [m for m in report.measurements if m.error]
-    if failures:    # the others' figures are written; the exit status still says the bench is incomplete
-        console.print(f"[red]{len(failures)} of {len(report.measurements)} measurements failed[/red]",
-                      highlight=False)
+    failures = [m for m in report.measurements if m.error and not m.skipped]
+    skipped = [m for m in report.measurements if m.skipped]
+    total = len(report.measurements)
+    if failures:
+        console.print(f"[red]{len(failures)} of {total} measurements failed[/red]", highlight=False)
+    if skipped:
+        console.print(f"[red]{len(skipped)} of {total} measurements skipped: they would not fit in memory "
+                      f"beside the others[/red]", highlight=False)
+    if failures or skipped:  # the others' figures are written; the exit status says the bench is incomplete
         raise typer.Exit(1)
 
 

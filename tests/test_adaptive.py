@@ -764,7 +764,7 @@ def test_a_plain_step_loaded_from_the_graph_cache_does_not_make_variants_look_ch
     compiled a variant it cannot repay)."""
     from torch._inductor.utils import fresh_cache
 
-    from specgen.pipelines import compiled, profile
+    from specgen.pipelines import compile_clock, profile
 
     monkeypatch.setattr(profile, "MIN_COMPILE_SECONDS", 0.0)
     # the threads a runner takes depend on the machine's load, and the kernels (so the cache key) on them
@@ -772,7 +772,7 @@ def test_a_plain_step_loaded_from_the_graph_cache_does_not_make_variants_look_ch
 
     def warmed() -> Runner:
         torch._dynamo.reset()
-        monkeypatch.setattr(compiled, "_slowest_lowering", 0.0)     # each run as in a process of its own
+        monkeypatch.setattr(compile_clock, "_slowest_lowering", 0.0)     # each run as in a process of its own
         runner = compiled_runner(checkpoints, AdaptivePolicy(3, [0.95] * 3, horizon_tokens=10))
         runner.warm_up()
         return runner
@@ -795,11 +795,11 @@ def test_a_fast_plain_compile_does_not_make_variants_look_cheap_after_another_ru
     own; its estimate is at least the slowest lowering the process has seen."""
     from types import SimpleNamespace
 
-    from specgen.pipelines import compiled, profile
+    from specgen.pipelines import compile_clock, profile
 
     functions = SimpleNamespace(compile_seconds={("verify", 1): 5.0}, from_graph_cache=set())
-    monkeypatch.setattr(compiled, "_slowest_lowering", 0.0)
+    monkeypatch.setattr(compile_clock, "_slowest_lowering", 0.0)
     assert profile.cold_compile_seconds(functions, ("verify", 1)) == 5.0
-    monkeypatch.setattr(compiled, "_slowest_lowering", 80.0)
+    monkeypatch.setattr(compile_clock, "_slowest_lowering", 80.0)
     assert profile.cold_compile_seconds(functions, ("verify", 1)) == 80.0
     assert profile.cold_compile_seconds(functions, ("step", 2)) == 0.0        # nothing compiled: no figure

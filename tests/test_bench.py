@@ -4,23 +4,31 @@ from __future__ import annotations
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 import yaml
 from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
+from step_costs import pin_host_step_costs
 from typer.testing import CliRunner
 
 from specgen.bench.report import FIELDS
 from specgen.cli import app
 
 
-def bench(tmp_path, target, draft: dict, *args: str):
-    """`specgen bench` on a one-recipe job of 4 prompts (eager, 1 thread); returns (result, report path)."""
+def bench_recipe(tmp_path, target, draft: dict) -> Path:
+    """A one-recipe bench's recipe (eager, 1 thread)."""
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump({
         "target": {"model": str(target), "dtype": "float32"}, "draft": draft,
         "runtime": {"device": "cpu", "max_seq_len": 128, "compile": False, "threads": 1},
         "chat_template": False}))
+    return recipe
+
+
+def bench(tmp_path, target, draft: dict, *args: str):
+    """`specgen bench` on a one-recipe job of 4 prompts (eager, 1 thread); returns (result, report path)."""
+    recipe = bench_recipe(tmp_path, target, draft)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"question {i} " * (i + 1)}) + "\n" for i in range(4)))
     out = tmp_path / "report.json"
@@ -203,6 +211,47 @@ def test_a_configuration_that_fails_leaves_the_others_figures(tmp_path, monkeypa
     assert "eagle3 K=2 FAILED in run 2" in result.output
 
 
+def test_a_configuration_that_would_not_fit_in_memory_is_skipped_not_the_bench(tmp_path, monkeypatch):
+    """Memory is checked per configuration and batch size, before its runner is built (every runner
+    of a batch size stays alive through its rounds): one that would not fit is skipped with why, the
+    configuration on its runner with it, the rest measured; exit status 1 (the bench is incomplete)."""
+    import specgen.job as job
+    from specgen.bench.measure import BenchOptions, _bench_recipe
+    from specgen.recipe import load_recipe
+
+    monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    config = tiny_llama_config(vocab_size=300)
+    target = write_llama_checkpoint(tmp_path / "target", config)
+    draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config, draft_vocab_size=200), config)
+    eagle3 = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2}
+    args = ("--limit", "4", "--batch-sizes", "1,4", "--max-tokens", "4", "--repeats", "1", "--baselines", "ar",
+            "--no-split", "--ks", "1")
+
+    def runner_bytes(method_draft: dict, batch: int) -> int:
+        recipe = load_recipe(bench_recipe(tmp_path, target, method_draft))
+        parts = job.estimate_bytes(_bench_recipe(recipe, batch, BenchOptions(max_tokens=4)), job.resolve(recipe))
+        return sum(parts.values()) - parts["target weights"]
+
+    # a machine where plain decoding fits at both batch sizes and the draft's runner only at one slot
+    fits = max(runner_bytes({"method": "none"}, 4), runner_bytes(eagle3, 1))
+    over = runner_bytes(eagle3, 4)
+    assert fits < over
+    monkeypatch.setattr(job, "available_bytes", lambda device: (fits + over) / 2 / 0.9)
+    result, out = bench(tmp_path, target, eagle3, *args)
+    assert result.exit_code == 1, result.output
+    rows = {(r["config"], r["batch_size"]): r for r in json.loads(out.read_text())["results"]}
+    assert len(rows) == 6
+    for config in ("ar", "eagle3 K=2", "eagle3 K=1"):
+        assert rows[config, 1]["error"] is None and rows[config, 1]["tokens_per_second"] > 0
+    assert rows["ar", 4]["error"] is None and rows["ar", 4]["tokens_per_second"] > 0
+    lead, shared = rows["eagle3 K=2", 4], rows["eagle3 K=1", 4]
+    assert lead["skipped"] and lead["error"].startswith("needs about") and "beside the 1 runner" in lead["error"]
+    assert shared["skipped"] and shared["error"] == "the runner it shares with eagle3 K=2 did not fit"
+    assert lead["tokens_per_second"] is None and shared["samples"] == []
+    assert "batch 4: eagle3 K=2 SKIPPED before its warm-up: needs about" in result.output
+    assert "2 of 6 measurements skipped" in result.output and "failed" not in result.output
+
+
 def test_suffix_drafting_remembers_a_round_across_its_legs(tmp_path, monkeypatch):
     """A round is one job run in legs: suffix drafting's job-wide index carries over from leg to leg
     (bench/measure.py), so a prompt asked again in a later leg is drafted from its first answer."""
@@ -232,6 +281,7 @@ def test_bench_runs_each_configuration_again_under_a_response_format(tmp_path, m
     """--response-format FILE: every configuration (hf aside) twice, free and constrained; a
     constrained one's speed-up is over ar under the same format."""
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
+    pin_host_step_costs(monkeypatch)        # jump-forward's choices, not this machine's timings
     config = tiny_llama_config(vocab_size=300)
     target = write_llama_checkpoint(tmp_path / "target", config)
     draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config, draft_vocab_size=200), config)

@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, write_llama_checkpoint
+from step_costs import pin_host_step_costs
 from test_speculative import OracleDraft, make_recipe, never_wrong, wrong_positions
 
 from specgen.checkpoints.tokenizer import ByteTokenizer
@@ -104,8 +105,9 @@ def oracle(ids, outputs, k, wrong=wrong_positions) -> OracleDraft:
 
 
 @pytest.mark.parametrize("kind", list(FORMATS))
-def test_greedy_structured_output_follows_the_format_and_speculation_changes_nothing(models, kind):
+def test_greedy_structured_output_follows_the_format_and_speculation_changes_nothing(models, kind, monkeypatch):
     target, draft = models
+    pin_host_step_costs(monkeypatch)        # jump-forward's choices, not this machine's timings
     ids = prompt_ids()
     recipe = make_recipe(target, batch=2, ignore_eos=False)
     plain = generate(structured_runner(recipe, jump_forward=False), ids, FORMATS[kind])

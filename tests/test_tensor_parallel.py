@@ -31,8 +31,8 @@ def _env():
     return env | {"OMP_NUM_THREADS": "1"}
 
 
-def run(args, expect=0):
-    done = subprocess.run(args, capture_output=True, text=True, timeout=600, env=_env())
+def run(args, expect=0, env=None):
+    done = subprocess.run(args, capture_output=True, text=True, timeout=600, env=_env() | (env or {}))
     assert done.returncode == expect, done.stdout + done.stderr
     return done
 
@@ -106,7 +106,7 @@ def job(llama):
 
 
 def tp_run(job, name, *, method="none", k=2, sampled=False, launcher=TORCHRUN, tp=2, expect=0,
-           expert_parallel=False):
+           expert_parallel=False, env=None):
     root, target, drafts, prompts = job
     draft = {"method": method}
     if method != "none":
@@ -124,7 +124,7 @@ def tp_run(job, name, *, method="none", k=2, sampled=False, launcher=TORCHRUN, t
     path.write_text(yaml.safe_dump(recipe))
     out = root / f"{name}.jsonl"
     done = run([*launcher, *([] if launcher else [sys.executable]), "-m", "specgen", "run", str(path),
-                "--prompts", str(prompts), "--output", str(out)], expect=expect)
+                "--prompts", str(prompts), "--output", str(out)], expect=expect, env=env)
     if expect:
         return " ".join((done.stdout + done.stderr).split())
     return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}, " ".join(done.stderr.split())
@@ -142,6 +142,32 @@ def test_speculative_output_equals_plain_output_on_a_split_target(job, sampled):
         assert {i: r["token_ids"] for i, r in spec.items()} == {i: r["token_ids"] for i, r in plain.items()}, method
         if k != "auto":   # auto, on a job this short, may rightly take plain steps only (its k is rank 0's)
             assert sum(r["spec"]["num_drafts"] for r in spec.values()) > 0
+
+
+def test_each_rank_leaves_without_finalizing_once_the_job_is_written(job, tmp_path):
+    """parallel/world.leave_process: torch keeps gloo's worker threads past destroy_process_group,
+    and one freeing its last collective's tensors while the interpreter finalizes aborts the rank
+    (SIGABRT after a complete job, seen under load). A rank of `specgen run` ends before finalizing:
+    an exit hook (atexit, which finalizing runs first) never runs, on either rank, and the job is whole."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    # the hook marks the ranks (`python -m specgen`) and the launcher, not the probes they start
+    # (sys.argv is read at exit: while site imports it, `-m`'s module path is not there yet)
+    (hooks / "sitecustomize.py").write_text(
+        "import atexit, os, pathlib, sys\n"
+        "def mark():\n"
+        "    who = sys.argv[0].replace(os.sep, '/')\n"
+        "    name = ('rank-' + os.environ.get('RANK', '?') if who.endswith('specgen/__main__.py') else\n"
+        "            'launcher' if who.endswith('torch/distributed/run.py') else None)\n"
+        "    if name:\n"
+        f"        (pathlib.Path({str(tmp_path)!r}) / ('finalized-' + name)).write_text('')\n"
+        "atexit.register(mark)\n")
+    path = os.pathsep.join(filter(None, (str(hooks), os.environ.get("PYTHONPATH"))))
+    out, _ = tp_run(job, "leaves", env={"PYTHONPATH": path})
+    assert len(out) == 6 and all(r["num_output_tokens"] == 12 for r in out.values())
+    finalized = sorted(p.name for p in tmp_path.glob("finalized-*"))
+    # the launcher finalizes as any process does (the hook works); the ranks do not
+    assert finalized == ["finalized-launcher"], finalized
 
 
 def test_a_split_the_target_or_the_launch_cannot_take_is_a_clear_error(job):

@@ -11,12 +11,13 @@ imports and the process group are paid once.
 `tp_worker.py oracle-job RECIPE PROMPTS OUTPUT PLAIN`: this rank's part of `specgen run RECIPE` (the
 library call), its draft's picks replaced by the tokens of PLAIN (a plain run's results) spoiled at
 chosen positions (test_oracle_drafts.OracleProposals), so blocks are accepted; it writes the k of
-every step this rank ran to OUTPUT.k-rank-<rank>.json.
+every step this rank ran to OUTPUT.k-rank-<rank>.json. Its step costs are fixed, not this machine's
+(a loaded machine's timings could rightly rule drafting out): on the first rank drafting pays, on the
+others it does not, so a rank that chose k by itself would part from the first.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from model_calls import logits
 from specgen.checkpoints.loading import load_target
 from specgen.checkpoints.store import read_config
 from specgen.models.tensor_parallel import TensorParallel
+from specgen.parallel.world import leave_process
 
 
 def forward_twice(model, vocab: int) -> torch.Tensor:
@@ -45,6 +47,7 @@ def oracle_job(recipe: str, prompts: str, output: str, plain: str) -> None:
 
     import specgen.job as job
     from specgen.parallel.world import World
+    from specgen.pipelines.policy import AdaptivePolicy
     from specgen.pipelines.runner import Runner
     from specgen.recipe import load_recipe
     from test_oracle_drafts import OracleProposals
@@ -68,8 +71,10 @@ def oracle_job(recipe: str, prompts: str, output: str, plain: str) -> None:
         ks.append(k)
         return k, timed
 
-    job._requests, job.load_draft, Runner._issue = known_requests, oracle_draft, logged_issue
     world = World.from_env()
+    per_draft = 0.0004 if world.rank == 0 else 0.010          # a drafted row: 4% or 100% of a plain step
+    AdaptivePolicy.cost = lambda self, k, width: 0.010 + per_draft * k
+    job._requests, job.load_draft, Runner._issue = known_requests, oracle_draft, logged_issue
     job.run_job(load_recipe(recipe), prompts=prompts, output=output, world=world)
     Path(f"{output}.k-rank-{world.rank}.json").write_text(json.dumps(ks))
 
@@ -96,14 +101,10 @@ def main() -> None:
     if distributed:
         dist.barrier()      # as World.stop does: no rank tears the group down under a peer's collective
         dist.destroy_process_group()
-        # Under load (the suite's other workers), a rank whose results were written and whose group
-        # was destroyed could still abort in the interpreter's finalization ("terminate called without
-        # an active exception": a C++ thread torch left joinable), failing the test after the fact.
-        # Nothing is left to do: leave without finalizing.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 if __name__ == "__main__":
     main()
+    # as `specgen run` does under torchrun: a rank that joined a group leaves without finalizing
+    # (a gloo worker freeing its last collective's tensors then would abort it after its results)
+    leave_process(0)

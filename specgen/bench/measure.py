@@ -32,6 +32,12 @@ A configuration that raises (in its warm-up or a timed run) gets the error in it
 figures, and the others go on: the first GPU bench lost its plain-decoding figure to a crash in
 `auto`'s warm-up. The configurations that share its runner fail with it. A bad recipe or checkpoint
 still stops the bench (BenchError).
+Every runner of a batch size stays alive through its rounds (interleaving needs them all at hand),
+so before each is built its own memory (caches, workspaces, its draft, its graph pool: job.py's
+estimate less the target's weights, which all share) is checked against what is free beside the
+runners already built; hf's process loads the weights again and counts them. A configuration that
+would not fit is skipped (`skipped`, with why in `error`), and so are those on its runner; the rest
+are measured, and the runners are released before the next batch size.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ class Measurement:
     speedup_vs_hf: float | None = None
     leg_samples: list[float] = field(default_factory=list)   # tokens/s of each leg, in run order
     error: str | None = None              # why it has no figures: what it raised ("RuntimeError: ...")
+    skipped: bool = False                 # not run: it would not fit in memory beside the others (error says)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -296,28 +303,36 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
     # leads first: a shared runner is built (with its own policy) before the configs that borrow it
     order = sorted(configs, key=lambda c: lead_of[c[0]] != c[0])
 
-    def fail(name: str, error: str, when: str) -> None:
+    def fail(name: str, error: str, when: str, skipped: bool = False) -> None:
         failed[name] = error
         m = measurements.setdefault(name, Measurement(name, batch, [], 0, 0.0, None))
-        m.error = error
+        m.error, m.skipped = error, skipped
         m.samples.clear()
         m.leg_samples.clear()
         steps[name].clear()
         counters[name] = None
-        status(f"batch {batch}: {name} FAILED {when}: {error}")
+        status(f"batch {batch}: {name} {'SKIPPED' if skipped else 'FAILED'} {when}: {error}")
 
-    def fail_runner(name: str, error: str, when: str) -> None:
-        """`name` failed; so do the configurations on its runner, whose state is unknown now."""
-        fail(name, error, when)
+    def fail_runner(name: str, error: str, when: str, skipped: bool = False) -> None:
+        """`name` failed (or was skipped); so do the configurations on its runner, whose state is
+        unknown now (or which has none)."""
+        fail(name, error, when, skipped)
         for other, lead in lead_of.items():
             if lead == lead_of[name] and other not in failed:
-                fail(other, f"the runner it shares with {name} failed", "with it")
+                fail(other, f"the runner it shares with {name} {'did not fit' if skipped else 'failed'}",
+                     "with it", skipped)
 
     try:
         for name, recipe, checkpoints in order:
             lead = lead_of[name]
             if name in failed:
                 continue                        # its runner failed with another configuration
+            if lead == name:
+                shortfall = memory_shortfall(recipe, checkpoints, batch, options, resolved, base,
+                                             built=len({id(r) for r in runners.values()}))
+                if shortfall is not None:
+                    fail_runner(name, shortfall, "before its warm-up", skipped=True)
+                    continue
             status(f"batch {batch}: warming up {name}")
             start = time.perf_counter()
             try:
@@ -493,13 +508,47 @@ def bench_prompts(records, tokenizer, recipe: Recipe, room: int, limit: int) -> 
     return prompts, skipped
 
 
-def _specgen_runner(recipe: Recipe, resolved, batch: int, options: BenchOptions, prompts, target, tokenizer,
-                    build_runner, compile: bool | None = None):
-    # Greedy to EOS or max_tokens, no stop strings: the stopping rule transformers' generate has too.
+def _bench_recipe(recipe: Recipe, batch: int, options: BenchOptions, compile: bool | None = None) -> Recipe:
+    """The recipe as bench runs it: greedy to EOS or max_tokens, no stop strings (the stopping rule
+    transformers' generate has too), `batch` slots."""
     sampling = replace(recipe.sampling, temperature=0.0, max_tokens=options.max_tokens, stop=[])
     runtime = replace(recipe.runtime, batch_size=batch,
                       compile=recipe.runtime.compile if compile is None else compile)
-    recipe = replace(recipe, sampling=sampling, runtime=runtime)
+    return replace(recipe, sampling=sampling, runtime=runtime)
+
+
+def memory_shortfall(recipe: Recipe | None, resolved, batch: int, options: BenchOptions, target_resolved,
+                     base: Recipe, built: int) -> str | None:
+    """Why a configuration's runner (None: hf's process) would not fit in what is free now, beside
+    the `built` runners alive; None where it fits. The same estimate and margin as `specgen run`'s
+    check (job.check_memory), less the target's weights for a specgen runner (loaded once, shared)."""
+    from specgen.job import available_bytes, estimate_bytes
+
+    whole = recipe is None
+    if whole:           # transformers in a process of its own: the weights again, its cache, its work
+        recipe, resolved = replace(base, draft=replace(base.draft, method="none")), target_resolved
+    parts = estimate_bytes(_bench_recipe(recipe, batch, options), resolved)
+    if not whole:
+        parts.pop("target weights")
+    if resolved.device.type == "cuda":
+        import gc
+
+        gc.collect()                # the last batch size's runners, released: free, not held in cache
+        torch.cuda.empty_cache()
+    need, have = sum(parts.values()), available_bytes(resolved.device)
+    if need <= 0.9 * have:
+        return None
+    gib = 1 << 30
+    detail = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items() if size >= gib / 100)
+    where = "free device memory" if resolved.device.type == "cuda" else "available RAM"
+    beside = f" beside the {built} runner{'s' if built != 1 else ''} of this batch size" if built else ""
+    return (f"needs about {need / gib:.2f} GiB ({detail}) but {have / gib:.2f} GiB of {where} is left{beside}; "
+            f"bench it with fewer configurations or a smaller batch size")
+
+
+def _specgen_runner(recipe: Recipe, resolved, batch: int, options: BenchOptions, prompts, target, tokenizer,
+                    build_runner, compile: bool | None = None):
+    recipe = _bench_recipe(recipe, batch, options, compile)
     tokens = (options.repeats + 1) * len(prompts) * options.max_tokens
     runner, _, _ = build_runner(recipe, resolved, 0, expected_steps=tokens // batch, target=target,
                                 tokenizer=tokenizer, expected_tokens=tokens)

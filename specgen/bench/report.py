@@ -7,7 +7,8 @@ draft_acceptance_rate, acceptance_rate_per_position, acceptance_histogram, num_d
 paired by round), split_ms (eager twin: target / verify / draft / prefill / host /
 total, ms per step), warmup_seconds, shares_runner_of (the config whose compiled step it ran on; its
 warm-up is then what it added), compiled, peak_memory_bytes, output_tokens, error (what a failed
-configuration raised; its figures are then null).
+configuration raised, or why a skipped one was not run; its figures are then null), skipped (true:
+it would not fit in memory beside the others, bench/measure.memory_shortfall).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from specgen.bench.measure import BenchReport, Measurement
 FIELDS = ("config", "batch_size", "tokens_per_second", "samples", "leg_samples", "speedup_vs_ar",
           "speedup_vs_hf", "mean_acceptance_length", "draft_acceptance_rate", "acceptance_rate_per_position",
           "acceptance_histogram", "num_drafts", "k_histogram", "step_ms", "step_ratio", "split_ms",
-          "warmup_seconds", "shares_runner_of", "compiled", "peak_memory_bytes", "output_tokens", "error")
+          "warmup_seconds", "shares_runner_of", "compiled", "peak_memory_bytes", "output_tokens", "error",
+          "skipped")
 
 
 def measurement_dict(m: Measurement) -> dict:
@@ -42,7 +44,7 @@ def measurement_dict(m: Measurement) -> dict:
         "split_ms": m.split_ms, "warmup_seconds": m.warmup_seconds, "shares_runner_of": m.shares_runner_of,
         "policy": m.policy,
         "compiled": m.compiled, "peak_memory_bytes": m.peak_memory_bytes, "output_tokens": m.output_tokens,
-        "error": m.error,
+        "error": m.error, "skipped": m.skipped,
     }
 
 
@@ -96,7 +98,7 @@ def table(report: BenchReport) -> Table:
         step = "-" if m.step_ms is None else f"{m.step_ms:.1f}"
         if m.step_ratio is not None:
             step += f" ({m.step_ratio:.2f}x)"
-        speed = "failed" if m.error else f"{m.tokens_per_second:,.1f}"
+        speed = ("skipped" if m.skipped else "failed") if m.error else f"{m.tokens_per_second:,.1f}"
         t.add_row(str(m.batch_size), m.config, speed, _x(m.speedup_vs_ar),
                   _x(m.speedup_vs_hf),
                   "-" if d["mean_acceptance_length"] is None else f"{d['mean_acceptance_length']:.2f}",
@@ -104,7 +106,8 @@ def table(report: BenchReport) -> Table:
                   "-" if not rates else " ".join("-" if r is None else f"{r:.0%}" for r in rates),
                   _k_shares(d["k_histogram"]), step, split_text,
                   f"{m.warmup_seconds:.0f}" + (" +" if m.shares_runner_of else ""))
-    notes = [f"batch {m.batch_size}, {m.config} failed: {m.error}" for m in report.measurements if m.error]
+    notes = [f"batch {m.batch_size}, {m.config} {'skipped' if m.skipped else 'failed'}: {m.error}"
+             for m in report.measurements if m.error]
     if any(m.shares_runner_of for m in report.measurements):
         notes.append("warm-up s \"N +\": N seconds on top of the runner it shares with its draft's other K "
                      "settings (the model loaded once; each K's step compiled once)")

@@ -10,7 +10,9 @@ blocks of N ranks each hold one copy of the target split N ways (`world.tp`: the
 the step's collectives; `world.tp_host_group`: a gloo group for the block's host decisions), and
 the blocks share out the prompts (`dp_rank` of `dp_size`); only a block's first rank writes
 (`writes`). `world.stop()` leaves. `world.from_leader(value)` is rank 0's value everywhere. `world.cpu_share()` is the CPUs this rank may use
-when several ranks share one machine's cores, and pins the rank to them.
+when several ranks share one machine's cores, and pins the rank to them. `leave_process(code)` ends a
+rank that joined a group, once everything it writes is written, without finalizing the interpreter
+(see there why: a rank could abort after a complete job).
 
 specgen runs on torch.distributed as launched by torchrun, never on its own cluster code
 (DESIGN.md, section 6): the rendezvous, the store, the restarts and the teardown of every
@@ -20,6 +22,7 @@ rank when one dies are torchrun's.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -180,3 +183,22 @@ class World:
         mine = cpus[first:first + share]
         os.sched_setaffinity(0, mine)
         return share, f"{share} of {len(cpus)} CPUs, a share for each of {self.local_size} ranks here, pinned"
+
+
+def leave_process(code: int) -> None:
+    """End this process now with `code`, without finalizing the interpreter (stdout and stderr
+    flushed; every file the job wrote is closed by then). For a torchrun rank that joined a process
+    group. Why: torch keeps a gloo group's worker threads after `destroy_process_group` (references
+    inside torch.distributed keep the group, so its destructor, which joins them, never runs), and
+    a worker drops its last collective's work when its loop comes round: a barrier's work holds the
+    works queued before it, and those the tensors they reduced. On a loaded machine that can come
+    after the main thread has begun finalizing; freeing a tensor whose Python object it owns takes
+    the GIL, Python ends such a thread with pthread_exit, and unwinding through gloo's loop calls
+    std::terminate: the rank dies of SIGABRT ("terminate called without an active exception") after
+    its results were written, and torchrun calls the job failed. Seen in tests under load (2 runs of
+    15); the core's stack: ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> ~AsyncAllreduceWork ->
+    TensorImpl::decref_pyobject -> take_gil -> pthread_exit, the main thread in Py_FinalizeEx.
+    Upstream: pytorch/pytorch#179291 (an exit hook for this, abandoned)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -54,36 +54,13 @@ import torch._inductor.config as inductor_config
 from specgen.kernels.cpu_bf16_products import float32_products
 from specgen.machine import cpu_has_bf16
 from specgen.models.products import row_invariant_products
+from specgen.pipelines.compile_clock import CompileClock
 from specgen.pipelines.cpu_gemm import CPU_FROZEN_SETTINGS, use_cpu_gemm_template
 from specgen.pipelines.unified import PrefillBatch, StepCaches, StepState, UnifiedStep, _floating_dtype
 from specgen.sampling import SamplingTensors
 
 
 CPU_FREEZE_MAX_SLOTS = 64
-
-
-def _graphs_compiled() -> int:
-    """Graphs Dynamo has compiled in this process (a counter it keeps; read per call, about 0.1 us)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-# The longest a step's graph took to lower in this process (graphs loaded from the graph cache left
-# out): see `slowest_lowering`.
-_slowest_lowering = 0.0
-
-
-def slowest_lowering() -> float:
-    """Seconds the slowest step graph lowered (not loaded from the graph cache) in this process took.
-    A runner built after another (bench) finds the kernels its plain step needs already built by the
-    first, and compiles it fast; a variant of other shapes still builds its own, so the plain step's
-    time alone would promise a mid-run compile far cheaper than it is (seen: a 79 s compile taken
-    mid-run for a round of 24 prompts, which ran at 0.6x)."""
-    return _slowest_lowering
-
-
-def _graph_cache_hits() -> int:
-    """Graphs Inductor has loaded from its graph cache in this process instead of lowering them."""
-    return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
 
 
 def freezes(device: torch.device, slots: int) -> bool:
@@ -206,10 +183,10 @@ class StepFunctions:
         self._verifies: dict[int, object] = {}          # t -> the compiled verify of t rows per slot
         # k -> the compiled step of k drafts (draft + verify; a structured step's: the draft alone)
         self._steps: dict[int, object] = {}
-        # ("step", k), ("verify", t): the first call; ("recompile", that name): later calls that compiled
-        self.compile_seconds: dict = {}
-        # the names whose compile loaded Inductor's graph cache (3-3.4x faster than lowering anew)
-        self.from_graph_cache: set = set()
+        # what building each compiled part took (pipelines/compile_clock.py): ("step", k), ("verify", t),
+        # ("recompile", name), ("cuda graph", name) -> seconds; the names served by the graph cache
+        self.clock = CompileClock(self.compiled, device)
+        self.compile_seconds, self.from_graph_cache = self.clock.seconds, self.clock.from_graph_cache
         self._prefill = unified.prefill
         self.prefill_compiled = False
         # an eager bf16 prefill on a CPU without native bf16 products: its GEMMs in float32
@@ -287,7 +264,7 @@ class StepFunctions:
             index = self._key_index[kv_len] = torch.arange(kv_len, device=self.device)
             # dynamic: one compiled step for every bucket (the kernel path has one bound). CUDA graphs
             # still record one graph per bucket (without the kernel only), during the warm-up and
-            # then at the first step of each longer bucket.
+            # then at the first steps of each longer bucket (compile time: compile_clock.py).
             if self.compiled and not self.unified.use_kernel:
                 # below the cache length: a slice as long as the cache would be specialised away
                 torch._dynamo.mark_dynamic(index, 0, min=2, max=self.caches.target.max_len - 1)
@@ -395,28 +372,9 @@ class StepFunctions:
         return self._arange("window", max(2, min(window, self.unified.max_window)), dynamic=True)
 
     def _timed(self, name, fn, *args):
-        """Call a compiled part; the first call compiles (and on CUDA records), and so does a later
-        one whose guards fail (a size a graph was specialised on changed): either call's time is
-        compile time (`compile_seconds`, a recompile under ("recompile", name)), never a step's cost."""
-        if not self.compiled:
-            return fn(*args)
-        first = name not in self.compile_seconds
-        graphs = _graphs_compiled()
-        hits = _graph_cache_hits() if first else 0
-        start = time.perf_counter()
-        out = fn(*args)
-        if not first and _graphs_compiled() == graphs:
-            return out
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        key = name if first else ("recompile", name)
-        self.compile_seconds[key] = self.compile_seconds.get(key, 0.0) + time.perf_counter() - start
-        if first and _graph_cache_hits() > hits:
-            self.from_graph_cache.add(name)
-        elif first:
-            global _slowest_lowering
-            _slowest_lowering = max(_slowest_lowering, self.compile_seconds[key])
-        return out
+        """Call a compiled part; a call that builds code (a first call, a recompile, a CUDA graph
+        recorded for new sizes) is compile time, never a step's cost (compile_clock.py)."""
+        return self.clock.call(name, fn, *args)
 
     def use_slots(self, slots: int) -> None:
         """Steps run over the first `slots` slots only (eager steps: other shapes would recompile)."""

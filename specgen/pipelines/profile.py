@@ -24,7 +24,8 @@ import time
 
 import torch
 
-from specgen.pipelines.compiled import StepFunctions, slowest_lowering
+from specgen.pipelines.compile_clock import slowest_lowering
+from specgen.pipelines.compiled import StepFunctions
 from specgen.pipelines.policy import AdaptivePolicy, SlotView
 
 REPEATS = 3
@@ -55,7 +56,7 @@ def cold_compile_seconds(functions: StepFunctions, name: tuple) -> float:
     lowering it anew would take: the estimate for variants this cache may not hold (a re-run that
     loaded its plain step in 40 s would otherwise expect a variant never compiled to take that
     long, not the 130 s it takes, and compile it for a job that cannot repay it); and at least the
-    slowest lowering this process has seen (compiled.slowest_lowering: kernels built earlier for
+    slowest lowering this process has seen (compile_clock.slowest_lowering: kernels built earlier for
     another runner make a plain step compile fast that its variants will not)."""
     seconds = functions.compile_seconds.get(name, 0.0)
     if name in functions.from_graph_cache:

@@ -114,8 +114,8 @@ class RunTotals:
     steps: int = 0
     prefill_calls: int = 0
     wall_seconds: float = 0.0
-    # compilation and CUDA-graph capture at warm-up, compilation mid-run (a variant's first use, a
-    # recompile); a CUDA graph recorded mid-run for a new kv bucket is not counted (inside wall_seconds)
+    # compilation and CUDA-graph capture at warm-up, and mid-run: a variant's first use, a recompile,
+    # a CUDA graph recorded for a new kv bucket or draft window (pipelines/compile_clock.py)
     compile_seconds: float = 0.0
     step_seconds: float = 0.0        # the steps' iterations, admission (prefill) left out (inside wall_seconds)
     mask_seconds: float = 0.0        # structured output: the host's token masks (inside step_seconds)
