@@ -20,13 +20,13 @@ setup: $(BIN)/specgen
 # One slot, compiled: where speculative decoding pays on this kind of machine (decoding one sequence
 # reads every weight per token; on 2 CPU cores, 8 slots x K + 1 rows are already compute-bound).
 # float32: the same dtype on every CPU, so the demo's figures compare across machines (tokens are
-# identical in auto's dtype too: README, what is exact where).
+# identical in auto's dtype too: docs/exactness.md).
 DEMO := --no-resume --set runtime.batch_size=1 --set runtime.compile=true --set target.dtype=float32
 
 # K pinned to 1 for the speculative run: on a job this short (24 prompts, ~2,500 tokens) `auto` runs
-# plain steps, rightly, since no draft variant repays its compile time there (README: how auto
-# decides), and the demo is here to show speculation; k = 1 is what auto picks for this draft on
-# long jobs on such a CPU (README: what to expect).
+# plain steps, rightly, since no draft variant repays its compile time there (docs/choosing-a-draft.md:
+# what auto does), and the demo is here to show speculation; k = 1 is what auto picks for this draft on
+# long jobs on such a CPU (docs/performance.md).
 #
 # Each run compiles into a cache of its own (outputs/compiled/<run>): with one shared cache the plain
 # run, second, found the C++ kernels and CPU probes the speculative run had just built, and its

@@ -42,7 +42,7 @@ def main(spec_path: str, plain_path: str) -> int:
     k_steps = (spec_stats.get("speculation") or {}).get("k_steps")
     if k_steps and not any(k_steps[1:]):
         print(f"auto ran plain steps only: on this job ({sum(len(t) for t in spec.values()):,} tokens) no "
-              "draft variant would repay its compile time (README: how auto decides)")
+              "draft variant would repay its compile time (docs/choosing-a-draft.md: what auto does)")
     return 1 if differ else 0
 
 

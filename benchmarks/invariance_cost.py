@@ -87,8 +87,8 @@ def main() -> None:
                 times = {True: [], False: []}
                 for _ in range(max(1, args.rounds // 2)):
                     for alone in (True, False):
-                        runner.prefill_alone = alone
-                        times[alone].append(seconds(lambda: runner._prefill_items(items)))
+                        runner.prefill.alone = alone
+                        times[alone].append(seconds(lambda: runner.prefill.items(items)))
             a, b = statistics.median(times[True]), statistics.median(times[False])
             print(f"{runner.resolved.dtype} prefill of {len(items)} prompts ({sum(map(len, prompts))} tokens): "
                   f"alone {a:.2f} s, grouped {b:.2f} s ({a / b:.2f}x)", flush=True)

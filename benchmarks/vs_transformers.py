@@ -18,7 +18,7 @@ import torch
 from specgen.checkpoints import resolve_checkpoint
 from specgen.data import read_prompts, tokenize_prompt
 from specgen.job import build_runner, resolve
-from specgen.pipelines.runner import Request
+from specgen.pipelines.requests import Request
 from specgen.recipe import load_recipe
 
 

@@ -16,7 +16,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Offline batch generation with lossless speculative decoding.")
 console = Console(stderr=True)
 
-# Exit codes of `specgen run` (README): 0 every record generated; 1 the run failed (e.g. memory);
+# Exit codes of `specgen run` (docs/exit-codes.md): 0 every record generated; 1 the run failed (e.g. memory);
 # 2 bad input (recipe, checkpoint, output path, prompt source); 3 the run finished but some records
 # are errors (a bad prompt line, a prompt too long); 130 interrupted (resumable).
 EXIT_ERROR_RECORDS = 3
@@ -235,6 +235,9 @@ def bench(
     response_format: Annotated[Path | None, typer.Option(help=(
         "A JSON or YAML file holding a response_format ({type: json_schema, schema: ...}, regex, choice, "
         "grammar): every configuration runs again with its outputs under it, beside ar under it."))] = None,
+    markdown: Annotated[Path | None, typer.Option(help=(
+        "Also write the results as a Markdown table with the command, commit, CPU and date "
+        "(what docs/performance.md holds)."))] = None,
 ) -> None:
     """Speed-up of speculative decoding over plain decoding and transformers, on the same prompts."""
     import shlex
@@ -287,9 +290,15 @@ def bench(
     # Wide enough for every column whatever the terminal: a narrow one wraps lines, never cuts figures.
     wide = Console(width=max(Console().width, 180))
     wide.print(table(report))
-    write_json(report, out, " ".join(shlex.quote(a) for a in ["specgen", *sys.argv[1:]]))
+    data = write_json(report, out, " ".join(shlex.quote(a) for a in ["specgen", *sys.argv[1:]]))
     write_png(report, png)
     console.print(f"report: {out}\nplot:   {png}", highlight=False, soft_wrap=True)
+    if markdown is not None:
+        from specgen.bench.markdown import markdown as as_markdown
+
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(as_markdown(data))
+        console.print(f"table:  {markdown}", highlight=False, soft_wrap=True)
     failures = [m for m in report.measurements if m.error and not m.skipped]
     skipped = [m for m in report.measurements if m.skipped]
     total = len(report.measurements)

@@ -7,6 +7,7 @@ now (sampled from /proc/stat over a fraction of a second), and never more than O
 when the user set it. Why: compiled CPU code is many short parallel regions whose threads spin-wait
 for each other; one thread that shares its core with another busy process stalls every region, and
 throughput collapses (2.8 vs 73.8 tok/s seen with 2 threads on 2 cores, one of them busy).
+`cpu_description()` names the CPU and the features specgen's choices depend on, for figures.
 """
 
 from __future__ import annotations
@@ -83,6 +84,28 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the features that decide specgen's dtypes and kernels, e.g. "AMD EPYC
+    9R14 (AVX-512, AVX512-BF16, no AMX), 2 CPUs": what a figure measured here must state."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if not key.strip():
+                    break                   # the first CPU's block is enough
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name", "unknown CPU")
+    if "cpu family" in fields:      # a VM may name only the vendor ("AMD EPYC"): the family tells Zen 3 from 4
+        name += f" (family {fields['cpu family']}, model {fields.get('model', '?')})"
+    features = [("AVX-512" if cpu_has_avx512() else "no AVX-512"),
+                ("AVX512-BF16" if "avx512_bf16" in cpu_flags() else "no AVX512-BF16"),
+                ("AMX" if cpu_has_amx() else "no AMX")]
+    return f"{name} ({', '.join(features)}), {usable_cpus()} CPUs"
 
 
 def cpu_has_bf16() -> bool:

@@ -8,7 +8,7 @@ imports that module on first use and returns its builder object:
 - a draft module defines `METHOD` (a `drafts.base.DraftBuilder`: config class, build function,
   dummy config, where its tensors sit in a checkpoint).
 Readers: `recipe.py` (method names, which methods pick K themselves, which may live inside the
-target), `models/loading.py` and `checkpoints/` (builders), `job.py` (pairings, dummy configs).
+target), `models/loading.py` and `checkpoints/` (builders), `job/` (pairings, dummy configs).
 """
 
 from __future__ import annotations

@@ -504,11 +504,11 @@ def test_switching_k_mid_request_keeps_the_output(checkpoints, method, sampling,
 def test_switching_k_reads_each_steps_outputs_through_the_cuda_ring_of_buffers(checkpoints):
     """On CUDA the step's outputs reach the host through a ring of buffers sized for K drafts; a
     step of fewer drafts (auto's plain steps) is narrower. The ring's logic, run here on CPU."""
-    from specgen.pipelines.runner import _HostReader
+    from specgen.pipelines.host_reader import HostReader
 
     plain = plain_outputs(checkpoints)
     runner = scripted_runner(checkpoints, "eagle3", SCHEDULE)
-    runner.reader = _HostReader(runner.device, (runner.batch_size, runner.unified.k + 4), 2, ring=True)
+    runner.reader = HostReader(runner.device, (runner.batch_size, runner.unified.k + 4), 2, ring=True)
     spec, totals = run(runner, prompts())
     assert spec == plain
     assert totals.k_steps[0] > 0 and totals.k_steps[1] > 0 and totals.k_steps[3] > 0
@@ -518,10 +518,10 @@ def test_the_ring_stages_every_narrower_step_in_a_contiguous_buffer():
     """GPU_NOTES 3: a device-to-host copy into a strided view of pinned memory is staged through
     pageable memory and blocks. Every (rows, k) a step can have reads through a contiguous buffer, and
     reads back exactly what the step wrote, while an older read of the same ring is still pending."""
-    from specgen.pipelines.runner import _HostReader
+    from specgen.pipelines.host_reader import HostReader
 
     B, K = 4, 3
-    reader = _HostReader(torch.device("cpu"), (B, K + 4), 2, ring=True)
+    reader = HostReader(torch.device("cpu"), (B, K + 4), 2, ring=True)
     pending = None
     for rows in range(1, B + 1):
         for k in range(K + 1):
@@ -633,7 +633,7 @@ def test_prompts_that_come_once_drafting_is_ruled_out_are_not_read_by_the_draft(
     later prompts skip the draft's pass over them (its share of every prefill), except one slot
     kept warm for a recheck; their drafts count as plain steps' blocks; the output stays plain's."""
     from specgen.pipelines.policy import AdaptivePolicy
-    from specgen.pipelines.runner import Request
+    from specgen.pipelines.requests import Request
 
     ids = prompts() * 2
     # requests of other lengths: slots free one at a time, beside live ones
@@ -768,7 +768,7 @@ def test_a_plain_step_loaded_from_the_graph_cache_does_not_make_variants_look_ch
 
     monkeypatch.setattr(profile, "MIN_COMPILE_SECONDS", 0.0)
     # the threads a runner takes depend on the machine's load, and the kernels (so the cache key) on them
-    monkeypatch.setattr("specgen.job.choose_threads", lambda requested: (1, "pinned by the test"))
+    monkeypatch.setattr("specgen.job.build.choose_threads", lambda requested: (1, "pinned by the test"))
 
     def warmed() -> Runner:
         torch._dynamo.reset()

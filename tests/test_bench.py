@@ -44,7 +44,7 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
     draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config, draft_vocab_size=200), config)
     result, out = bench(tmp_path, target, {"method": "eagle3", "model": str(draft), "num_speculative_tokens": 2},
                         "--limit", "3", "--batch-sizes", "1,2", "--max-tokens", "6", "--repeats", "2",
-                        "--ks", "1,auto", "--chunk", "1")
+                        "--ks", "1,auto", "--chunk", "1", "--markdown", str(tmp_path / "table.md"))
     assert result.exit_code == 0, result.output
     assert "eagle3 K=2" in result.output and "vs hf" in result.output
     report = json.loads(out.read_text())
@@ -66,6 +66,15 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
     assert "eagle3 K=2 warmed up in" in result.output and ", acceptance length " in result.output
     spec = next(r for r in rows if r["config"] == "eagle3 K=2")
     assert spec["mean_acceptance_length"] >= 1 and len(spec["acceptance_rate_per_position"]) == 2
+    # the Markdown table (docs/performance.md's source): what ran, where, and every row's figures
+    assert report["commit"] and report["date"] and "CPUs" in report["cpu"]
+    table = (tmp_path / "table.md").read_text().splitlines()
+    assert f"commit {report['commit']}, {report['cpu']}, float32" in table[2], table[2]
+    body = [line.split(" | ") for line in table[6:]]
+    assert len(body) == len(rows)
+    for row, cells in zip(rows, body, strict=True):
+        assert cells[0] == f"| {row['batch_size']}" and cells[1] == row["config"]
+        assert cells[2] == f"{row['tokens_per_second']:,.1f}" and cells[3] == f"{row['speedup_vs_ar']:.2f}x"
     assert sum(spec["acceptance_histogram"]) == spec["num_drafts"] > 0
     assert {"target", "verify", "draft", "host", "total"} <= spec["split_ms"].keys()
     # the fixed K settings ran on auto's compiled step (one runner per draft), each with its own k
@@ -216,6 +225,7 @@ def test_a_configuration_that_would_not_fit_in_memory_is_skipped_not_the_bench(t
     of a batch size stays alive through its rounds): one that would not fit is skipped with why, the
     configuration on its runner with it, the rest measured; exit status 1 (the bench is incomplete)."""
     import specgen.job as job
+    import specgen.job.memory as memory
     from specgen.bench.measure import BenchOptions, _bench_recipe
     from specgen.recipe import load_recipe
 
@@ -236,7 +246,7 @@ def test_a_configuration_that_would_not_fit_in_memory_is_skipped_not_the_bench(t
     fits = max(runner_bytes({"method": "none"}, 4), runner_bytes(eagle3, 1))
     over = runner_bytes(eagle3, 4)
     assert fits < over
-    monkeypatch.setattr(job, "available_bytes", lambda device: (fits + over) / 2 / 0.9)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (fits + over) / 2 / 0.9)
     result, out = bench(tmp_path, target, eagle3, *args)
     assert result.exit_code == 1, result.output
     rows = {(r["config"], r["batch_size"]): r for r in json.loads(out.read_text())["results"]}

@@ -305,7 +305,7 @@ sys.path.insert(0, {str(Path(__file__).parent)!r})
 from pathlib import Path
 from checkpoints import tiny_llama_config, write_llama_checkpoint
 from specgen.job import build_runner, resolve
-from specgen.pipelines.runner import Request
+from specgen.pipelines.requests import Request
 from specgen.recipe import recipe_from_dict
 seed, compile = int(sys.argv[1]), sys.argv[2] == "1"
 folder = Path({str(tmp_path)!r}) / f"t{{seed}}"

@@ -19,7 +19,8 @@ def recording(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_first_calls_recompiles_and_cuda_graph_recordings_are_compile_time_replays_are_not():
-    torch._dynamo.reset()
+    CompileClock(compiled=True, device=torch.device("cpu")).call("earlier", lambda: None)   # a clock before ...
+    torch._dynamo.reset()         # ... a reset (a runner's close), which clears Dynamo's callbacks
     clock = CompileClock(compiled=True, device=torch.device("cpu"))
     step = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
     clock.call(("step", 1), step, torch.ones(3))

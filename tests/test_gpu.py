@@ -2,7 +2,7 @@
 graph with the Triton kernels (verify, attention) inside it, and a large ragged batch with refills.
 float32 runs must give the same tokens; bf16 runs, greedy or seeded, the same tokens or tokens that
 part only where rounding can move them (tests/rounding.py, checked on CPU by test_rounding.py; the
-first H200 run, 2026-11-28, found bf16 runs parting and did not show where): the README's "What is
+first H200 run, 2026-11-28, found bf16 runs parting and did not show where): docs/exactness.md's "What is
 exact where" for CUDA, no more. Each failure reports each request's first difference.
 
 Run on a GPU machine with `python -m pytest -m gpu -q` (conftest.py leaves TRITON_INTERPRET unset

@@ -19,7 +19,7 @@ from specgen.parallel.decisions import SharedDecisions
 from specgen.pipelines.host_policy import REMEASURE_FIRST, HostDraftPolicy
 from specgen.pipelines.hybrid_policy import HybridPolicy
 from specgen.pipelines.policy import AdaptivePolicy, FixedPolicy
-from specgen.pipelines.runner import Request
+from specgen.pipelines.requests import Request
 from specgen.recipe import RecipeError, recipe_from_dict
 from specgen.registry import UnsupportedError, check_pairing
 
@@ -239,7 +239,7 @@ class _FakeCopy:
 
 
 def test_under_tensor_parallel_each_policy_hears_each_block_once(monkeypatch):
-    """job.py wraps an adaptive hybrid's model policy and the hybrid itself in SharedDecisions (one k
+    """job/run.py wraps an adaptive hybrid's model policy and the hybrid itself in SharedDecisions (one k
     per step for the copy's ranks); the model policy must still hear each block, admit and move once
     (twice, its acceptance decayed twice as fast and a moved slot lost its own figures)."""
     fixed_costs(monkeypatch)
@@ -252,7 +252,7 @@ def test_under_tensor_parallel_each_policy_hears_each_block_once(monkeypatch):
             monkeypatch.setattr(cls, name, spy)
     hybrid = hybrid_policy(adaptive=True, acceptance=0.6)
     model = hybrid.model
-    hybrid.model = SharedDecisions(hybrid.model, _FakeCopy())      # as job.py does
+    hybrid.model = SharedDecisions(hybrid.model, _FakeCopy())      # as job/run.py does
     policy = SharedDecisions(hybrid, _FakeCopy())
     policy.admit(0)
     assert sorted(calls) == [("AdaptivePolicy", "admit", (0,)), ("HostDraftPolicy", "admit", (0,))]

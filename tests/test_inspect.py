@@ -289,7 +289,7 @@ def test_an_output_path_that_cannot_be_written_exits_2_before_loading(tiny, tmp_
 def test_a_draft_that_never_accepts_is_reported_as_probably_mismatched(tiny, tmp_path):
     """A random (but not load_format: dummy) draft accepts next to nothing: after MISMATCH_DRAFTS
     drafts the log says the draft is probably mismatched."""
-    from specgen.job import MISMATCH_DRAFTS, MISMATCH_LENGTH
+    from specgen.job.statistics import MISMATCH_DRAFTS, MISMATCH_LENGTH
 
     root, target, draft = tiny
     prompts = tmp_path / "p.jsonl"
@@ -368,7 +368,7 @@ def test_the_dry_check_finds_exactly_what_the_real_load_finds(tmp_path, name):
 def test_the_mismatch_warning_needs_enough_drafts_and_a_real_draft():
     from types import SimpleNamespace
 
-    from specgen.job import MISMATCH_DRAFTS, _MismatchWatch
+    from specgen.job.statistics import MISMATCH_DRAFTS, MismatchWatch
     from specgen.pipelines.stats import SpecCounters
     from specgen.recipe import recipe_from_dict
 
@@ -378,17 +378,17 @@ def test_the_mismatch_warning_needs_enough_drafts_and_a_real_draft():
 
     real = recipe_from_dict({"target": {"model": "x"}, "draft": {"method": "eagle3", "model": "d"}})
     said = []
-    watch = _MismatchWatch(real, said.append)
+    watch = MismatchWatch(real, said.append)
     watch(progress(MISMATCH_DRAFTS - 1, 0))           # too early to tell
     assert not said
     watch(progress(MISMATCH_DRAFTS, MISMATCH_DRAFTS))  # acceptance length 2.0: a working draft
     watch(progress(2 * MISMATCH_DRAFTS, 0))            # judged once, at the first chance only
     assert not said and not watch.notes
     dummy = recipe_from_dict({"target": {"model": "x"}, "draft": {"method": "eagle3", "load_format": "dummy"}})
-    quiet = _MismatchWatch(dummy, said.append)
+    quiet = MismatchWatch(dummy, said.append)
     quiet(progress(MISMATCH_DRAFTS, 0))               # random-init drafts accept nothing by design
     assert not said
-    loud = _MismatchWatch(real, said.append)
+    loud = MismatchWatch(real, said.append)
     loud(progress(MISMATCH_DRAFTS, 3))
     assert len(said) == 1 and "probably mismatched" in said[0] and loud.notes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specgen.job import CPU_COMPILE_MIN_STEPS, decide_compile
+from specgen.job.build import CPU_COMPILE_MIN_STEPS, decide_compile
 from specgen.recipe import recipe_from_dict
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -14,6 +14,18 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 def recipe(compile=None):
     return recipe_from_dict({"target": {"model": "m"}, "runtime": {"compile": compile}})
 
+
+
+def pretend_cpu(monkeypatch, *, bf16: bool, avx512: bool, amx: bool | None = None) -> None:
+    """The CPU features the dtype choices (job/resolved.py) and the run's header (job/build.py) read."""
+    import specgen.job.build as build
+    import specgen.job.resolved as resolved
+
+    for module in (resolved, build):
+        monkeypatch.setattr(module, "cpu_has_bf16", lambda: bf16)
+        monkeypatch.setattr(module, "cpu_has_avx512", lambda: avx512)
+        if amx is not None:
+            monkeypatch.setattr(module, "cpu_has_amx", lambda: amx)
 
 def test_auto_compiles_on_cuda_and_only_long_jobs_on_cpu():
     assert decide_compile(recipe(), CUDA, 10, slots=8)[0] is True
@@ -54,13 +66,11 @@ def test_memory_estimate_counts_weights_caches_and_transients():
                                                                (False, False, False, False), (True, True, True, False)])
 def test_the_draft_and_target_run_in_bf16_where_a_bf16_kernel_pays(monkeypatch, native, avx512, amx, pays):
     """`pays`: compiled steps in bf16. Not on AMX CPUs, where Inductor's AMX kernel would multiply
-    (exact output first: README, "What is exact where"); their eager steps keep bf16."""
+    (exact output first: docs/exactness.md); their eager steps keep bf16."""
     import specgen.job as job
 
     fp32, bf16, cpu = torch.float32, torch.bfloat16, torch.device("cpu")
-    monkeypatch.setattr(job, "cpu_has_bf16", lambda: native)
-    monkeypatch.setattr(job, "cpu_has_avx512", lambda: avx512)
-    monkeypatch.setattr(job, "cpu_has_amx", lambda: amx)
+    pretend_cpu(monkeypatch, bf16=native, avx512=avx512, amx=amx)
     assert job.auto_dtype(cpu) == ("bfloat16" if pays else "float32")
     # eager steps (runtime.compile off or too short a job) take bf16 only where it is native
     assert job.auto_dtype(cpu, compiled=False) == ("bfloat16" if native else "float32")
@@ -80,8 +90,7 @@ def test_an_eager_run_takes_the_eager_dtypes_on_a_cpu_that_converts_bf16(monkeyp
     from checkpoints import tiny_eagle3_config, tiny_llama_config, write_eagle3_checkpoint, \
         write_llama_checkpoint
 
-    monkeypatch.setattr(job, "cpu_has_bf16", lambda: False)
-    monkeypatch.setattr(job, "cpu_has_avx512", lambda: True)
+    pretend_cpu(monkeypatch, bf16=False, avx512=True)
     config = tiny_llama_config()
     target = write_llama_checkpoint(tmp_path / "target", config)
     draft = write_eagle3_checkpoint(tmp_path / "eagle3", tiny_eagle3_config(config), config)

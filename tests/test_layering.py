@@ -32,7 +32,13 @@ FORBIDDEN = {
                  "specgen.inspection"),
     "pipelines": ("specgen.recipe", "specgen.cli", "specgen.job", "specgen.bench", "specgen.training",
                   "specgen.inspection"),
+    # a job (resolve, size, build, run, count) sits above the pipelines; bench and training use it
+    "job": ("specgen.cli", "specgen.bench", "specgen.training", "specgen.inspection"),
 }
+# Inside a folder whose modules are the steps of one job: each imports only those before it.
+ORDER_WITHIN = {"job": ("__init__", "errors", "resolved", "memory", "build", "statistics", "run")}
+# The runner's rooms (pipelines/runner.py's helpers) never import the runner: it imports them.
+RUNNER_ROOMS = ("requests", "host_reader", "admission", "slot_grammars", "host_drafts", "narrowing", "warm_up")
 ALLOWED_WITHIN = {"kernels": ("specgen.kernels",)}
 
 
@@ -60,6 +66,26 @@ def violations(folder: str, root: Path = ROOT) -> list[str]:
 
 def test_each_layer_imports_only_the_layers_below_it():
     bad = [v for folder in FORBIDDEN for v in violations(folder)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_modules_of_a_job_import_only_the_steps_before_them():
+    bad = []
+    for folder, order in ORDER_WITHIN.items():
+        for path in sorted((ROOT / folder).glob("*.py")):
+            if path.stem == "__init__":       # the package's names, re-exported from its modules
+                continue
+            for line, name in imports(path):
+                parts = name.split(".")
+                if parts[:2] == ["specgen", folder] and len(parts) > 2 and \
+                        order.index(parts[2]) >= order.index(path.stem):
+                    bad.append(f"{path.relative_to(ROOT.parent)}:{line} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_the_runners_rooms_do_not_import_the_runner():
+    bad = [f"specgen/pipelines/{room}.py:{line} imports {name}" for room in RUNNER_ROOMS
+           for line, name in imports(ROOT / "pipelines" / f"{room}.py") if name == "specgen.pipelines.runner"]
     assert not bad, "\n".join(bad)
 
 

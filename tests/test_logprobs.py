@@ -18,7 +18,7 @@ from test_speculative import make_recipe, models, oracle_for, prompts, runner_fo
 from test_training import target, target_dir  # noqa: F401  (fixtures)
 
 from specgen.pipelines.logprobs import logprob_view, pack, unpack
-from specgen.pipelines.runner import Request
+from specgen.pipelines.requests import Request
 from specgen.recipe import RecipeError, recipe_from_dict
 from specgen.sampling import SamplingTensors, process_logits
 
@@ -167,7 +167,7 @@ def test_prompt_logprobs_are_the_targets_over_the_prompt(models, chunk):
     ids = prompts() + [list(range(3, 43))]           # 40 tokens: three chunks of 16
     for recipe in (make_recipe(target, prompt_logprobs=3), make_recipe(target, draft, k=3, prompt_logprobs=3)):
         runner = runner_for(recipe)
-        runner.prefill_chunk = chunk
+        runner.prefill.chunk = chunk
         results = {}
         runner.run([Request(f"p{i}", p, 4, request_key=i) for i, p in enumerate(ids)],
                    lambda c: results.__setitem__(c.id, c))

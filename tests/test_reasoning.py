@@ -26,7 +26,8 @@ from test_speculative import prompts, run, runner_for
 
 from specgen.pipelines.reasoning import ReasoningMarkers, split, start_state, states_after
 from specgen.pipelines.relaxed import RelaxedAcceptance
-from specgen.pipelines.runner import Request, Runner
+from specgen.pipelines.requests import Request
+from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
 from specgen.pipelines.verify import verify
 
@@ -385,17 +386,16 @@ NAMES = {OPEN: "<think>", CLOSE: "</think>", TOOL: "<tool>"}   # markers a token
 
 def _completion(tokens: list[int], start: bool | None, stops: tuple[str, ...] = ()):
     """The runner's record of an output, fed token by token as the step loop does."""
-    from specgen.pipelines.runner import _Slot
+    from specgen.pipelines.requests import Slot, completion_of
     from specgen.pipelines.stats import SpecCounters
     from specgen.pipelines.stops import OutputTracker, StopRules
 
     decode = lambda ids: "".join(NAMES.get(i, chr(ord("a") + i - a)) for i in ids)  # noqa: E731
-    runner = Runner.__new__(Runner)
-    runner.reasoning, runner.rules = MARKERS, StopRules(frozenset(), stops, True, decode)
-    tracker = OutputTracker(runner.rules, max_tokens=len(tokens))
+    rules = StopRules(frozenset(), stops, True, decode)
+    tracker = OutputTracker(rules, max_tokens=len(tokens))
     assert [tracker.add(t) for t in tokens][-1]
     request = Request("r", [1], len(tokens), 0)
-    return runner._completion(_Slot(request, tracker, SpecCounters(0), 0, reasoning_start=start))
+    return completion_of(Slot(request, tracker, SpecCounters(0), 0, reasoning_start=start), MARKERS, rules)
 
 
 def test_a_stop_string_cuts_only_the_part_it_ends():

@@ -160,11 +160,11 @@ def _prefilled(target, prompts: list[list[int]], slot_of_first: int) -> tuple[li
                     seed=0, device=torch.device("cpu"), dtype=next(target.parameters()).dtype)
     slots = [slot_of_first] + [b for b in range(len(prompts)) if b != slot_of_first]
     items = [PrefillItem(b, p, 0, len(p) + 8) for b, p in zip(slots, prompts)]
-    calls = plan_prefill(items, chunk=runner.prefill_chunk, budget=runner.prefill_budget, alone=True)
+    calls = plan_prefill(items, chunk=runner.prefill.chunk, budget=runner.prefill.budget, alone=True)
     assert [call.items[0].slot for call in calls] == slots     # a call per prompt, in admission order
     recorder = _Logits(target)
     try:
-        runner._prefill_items(items)
+        runner.prefill.items(items)
     finally:
         del target.logits
     n = len(prompts[0])

@@ -9,7 +9,8 @@ from test_speculative import make_recipe, models, oracle_for, prompts, run, runn
 
 from specgen.models.attention import KVCache
 from specgen.pipelines.prefill import PrefillItem, pack, plan_prefill
-from specgen.pipelines.runner import Request, Runner
+from specgen.pipelines.requests import Request
+from specgen.pipelines.runner import Runner
 from specgen.pipelines.stops import StopRules
 from specgen.pipelines.unified import UnifiedStep
 
@@ -72,7 +73,7 @@ def test_batched_chunked_and_overlapped_runs_equal_one_at_a_time(models, samplin
         got, totals = run(runner, ids)
         assert got == reference, changes
         assert totals.requests == len(ids)
-    assert variant(batched, prefill_chunk=16).prefill_chunk == 16
+    assert variant(batched, prefill_chunk=16).prefill.chunk == 16
 
 
 def test_overlapped_loop_with_stops_refills_and_the_oracle(models):

@@ -10,7 +10,7 @@ from model_calls import logits
 from specgen.checkpoints import read_config, resolve_checkpoint
 from specgen.job import build_runner, resolve
 from specgen.checkpoints.loading import load_target
-from specgen.pipelines.runner import Request
+from specgen.pipelines.requests import Request
 from specgen.recipe import recipe_from_dict
 
 pytestmark = pytest.mark.slow

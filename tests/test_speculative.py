@@ -17,7 +17,8 @@ from model_calls import logits as forward_logits
 from scipy.stats import chisquare
 
 from specgen.job import build_runner, resolve
-from specgen.pipelines.runner import Request, Runner
+from specgen.pipelines.requests import Request
+from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
 from specgen.recipe import recipe_from_dict
 from specgen.sampling import SamplingTensors, process_logits

@@ -22,7 +22,8 @@ from test_speculative import OracleDraft, make_recipe, never_wrong, wrong_positi
 
 from specgen.checkpoints.tokenizer import ByteTokenizer
 from specgen.job import build_runner, resolve
-from specgen.pipelines.runner import Request, Runner
+from specgen.pipelines.requests import Request
+from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
 from specgen.structured.formats import FormatError, parse_response_format
 from specgen.structured.grammar import GrammarEngine, GrammarError
@@ -216,7 +217,7 @@ def test_narrowing_moves_a_free_request_into_a_finished_structured_slot(models, 
     assert runner.width < runner.batch_size                     # the tail did narrow
     assert mixed["p3"] == alone
     # every slot holds no grammar now: its mask rows allow everything, on the host and the device
-    assert (runner._host_masks == -1).all() and (runner.state.token_masks == -1).all()
+    assert (runner.grammars.host_masks == -1).all() and (runner.state.token_masks == -1).all()
 
 
 def test_a_malformed_format_fails_its_own_request_only(models):

@@ -24,7 +24,7 @@ from test_speculative import OracleDraft, make_recipe, never_wrong
 from test_structured import FORMATS, V, follows, generate, prompt_ids, structured_runner
 from test_structured import models  # noqa: F401 (a fixture: Llama + EAGLE-3 at vocabulary 300)
 
-import specgen.job as job
+import specgen.job.build as job_build
 from specgen.pipelines.reasoning import ReasoningMarkers
 from specgen.pipelines.runner import Runner
 from specgen.pipelines.unified import UnifiedStep
@@ -60,12 +60,12 @@ def recipe(target, method="none", draft=None, k=3, batch=4, **sampling):
 def oracle_runner(recipe_, references, monkeypatch, jump_forward: bool = False):
     """`build_runner`'s structured runner (its policy, its host proposer for a hybrid), with the real
     draft it loads wrapped so that its picks are `references`' tokens, spoiled."""
-    load = job.load_draft
-    monkeypatch.setattr(job, "load_draft", lambda *a, **kw: OracleProposals(load(*a, **kw), references, V))
+    load = job_build.load_draft
+    monkeypatch.setattr(job_build, "load_draft", lambda *a, **kw: OracleProposals(load(*a, **kw), references, V))
     try:
         return structured_runner(recipe_, jump_forward=jump_forward)
     finally:
-        monkeypatch.setattr(job, "load_draft", load)
+        monkeypatch.setattr(job_build, "load_draft", load)
 
 
 NAMES = ("deepseek-mtp", "kimi-dflash", "kimi-eagle3-mla", "llama-eagle3+suffix")
@@ -167,7 +167,7 @@ def test_a_close_marker_drafted_mid_window_starts_the_grammar_at_the_next_row(mo
 
         def spy(kk: int) -> None:       # after the draft, before the masks and the verify
             drafts = runner.state.pending[:, 1:kk + 1].tolist()
-            for b, grammar in runner._grammars.items():
+            for b, grammar in runner.grammars.states.items():
                 if grammar.thinking and close in drafts[b][1:kk - 1]:
                     mid.append((b, drafts[b].index(close)))
             write(kk)

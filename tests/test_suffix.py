@@ -21,7 +21,8 @@ from specgen.data import ResultsFileError, read_answer_ids, stats_path
 from specgen.drafts.suffix import NO_PROPOSAL, Proposal, SuffixIndex, SuffixProposer
 from specgen.job import InputError
 from specgen.pipelines.host_policy import REMEASURE_FIRST, HostDraftPolicy
-from specgen.pipelines.runner import Request, Runner
+from specgen.pipelines.requests import Request
+from specgen.pipelines.runner import Runner
 from specgen.recipe import RecipeError, recipe_from_dict
 
 # ------------------------------------------------------------------------------------------ the index
@@ -260,7 +261,8 @@ def test_a_history_id_outside_the_vocabulary_stops_the_run_before_any_model_load
     """`specgen run` with a `draft.suffix_history` holding an id the target's embedding lacks: exit 2
     naming the file, the line and the vocabulary, before anything loads (not a failed lookup, or a
     device assert on CUDA, once the id is proposed)."""
-    import specgen.job
+    import specgen.job.build
+    import specgen.job.resolved
 
     target, _ = models      # a vocabulary of 96 ids
     history = tmp_path / "old.jsonl"
@@ -280,8 +282,10 @@ def test_a_history_id_outside_the_vocabulary_stops_the_run_before_any_model_load
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
-    for name in ("load_target", "load_draft", "load_tokenizer"):
-        monkeypatch.setattr(specgen.job, name, no_loading)
+    for module in (specgen.job.resolved, specgen.job.build):      # the dry loads, the real ones
+        for name in ("load_target", "load_draft", "load_tokenizer"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, no_loading)
     out = tmp_path / "out" / "results.jsonl"
     result = CliRunner().invoke(app, ["run", str(recipe), "--prompts", str(prompts_file), "--output", str(out)],
                                 terminal_width=200)

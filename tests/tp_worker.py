@@ -45,7 +45,8 @@ def forward_twice(model, vocab: int) -> torch.Tensor:
 def oracle_job(recipe: str, prompts: str, output: str, plain: str) -> None:
     import json
 
-    import specgen.job as job
+    import specgen.job.build as build
+    import specgen.job.run as job
     from specgen.parallel.world import World
     from specgen.pipelines.policy import AdaptivePolicy
     from specgen.pipelines.runner import Runner
@@ -54,7 +55,7 @@ def oracle_job(recipe: str, prompts: str, output: str, plain: str) -> None:
 
     answers = {r["id"]: r["token_ids"] for r in map(json.loads, Path(plain).read_text().splitlines())}
     references: dict[tuple, list[int]] = {}     # prompt[1:] -> prompt + plain output (OracleProposals)
-    requests, load_draft, issue = job._requests, job.load_draft, Runner._issue
+    requests, load_draft, issue = job.job_requests, build.load_draft, Runner._issue
     ks: list[int] = []
 
     def known_requests(*args):      # each request's reference, before the runner admits it
@@ -74,7 +75,7 @@ def oracle_job(recipe: str, prompts: str, output: str, plain: str) -> None:
     world = World.from_env()
     per_draft = 0.0004 if world.rank == 0 else 0.010          # a drafted row: 4% or 100% of a plain step
     AdaptivePolicy.cost = lambda self, k, width: 0.010 + per_draft * k
-    job._requests, job.load_draft, Runner._issue = known_requests, oracle_draft, logged_issue
+    job.job_requests, build.load_draft, Runner._issue = known_requests, oracle_draft, logged_issue
     job.run_job(load_recipe(recipe), prompts=prompts, output=output, world=world)
     Path(f"{output}.k-rank-{world.rank}.json").write_text(json.dumps(ks))
 

@@ -33,7 +33,7 @@ figures, and the others go on: the first GPU bench lost its plain-decoding figur
 `auto`'s warm-up. The configurations that share its runner fail with it. A bad recipe or checkpoint
 still stops the bench (BenchError).
 Every runner of a batch size stays alive through its rounds (interleaving needs them all at hand),
-so before each is built its own memory (caches, workspaces, its draft, its graph pool: job.py's
+so before each is built its own memory (caches, workspaces, its draft, its graph pool: job/memory.py's
 estimate less the target's weights, which all share) is checked against what is free beside the
 runners already built; hf's process loads the weights again and counts them. A configuration that
 would not fit is skipped (`skipped`, with why in `error`), and so are those on its runner; the rest
@@ -53,7 +53,7 @@ import torch
 from specgen.checkpoints.store import CheckpointError
 from specgen.data import PromptSourceError, read_prompts, tokenize_prompt
 from specgen.pipelines.phases import PhaseTimer
-from specgen.pipelines.runner import Request
+from specgen.pipelines.requests import Request
 from specgen.pipelines.stats import SpecCounters
 from specgen.recipe import Recipe
 from specgen.structured.formats import ResponseFormat
@@ -217,7 +217,7 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
             # verifies the grammar's forced tokens as drafts (drafts/forced.py); drafts are
             # compared with ar
             constrained.append((f"{name} +{fmt.kind}", _jumping(recipe, False), checkpoints))
-            if recipe.draft.jump_forward and recipe.runtime.compile is not True:    # eager only (job.py)
+            if recipe.draft.jump_forward and recipe.runtime.compile is not True:    # eager only (job/build.py)
                 constrained.append((f"{name} jump-forward +{fmt.kind}", recipe, checkpoints))
         configs += constrained
     if "hf" in options.baselines:
@@ -522,7 +522,7 @@ def memory_shortfall(recipe: Recipe | None, resolved, batch: int, options: Bench
     """Why a configuration's runner (None: hf's process) would not fit in what is free now, beside
     the `built` runners alive; None where it fits. The same estimate and margin as `specgen run`'s
     check (job.check_memory), less the target's weights for a specgen runner (loaded once, shared)."""
-    from specgen.job import available_bytes, estimate_bytes
+    from specgen.job.memory import available_bytes, estimate_bytes
 
     whole = recipe is None
     if whole:           # transformers in a process of its own: the weights again, its cache, its work

@@ -1,4 +1,8 @@
-"""A bench report three ways: a Rich table, JSON (every figure), and a PNG (matplotlib).
+"""A bench report three ways: a Rich table, JSON (every figure), and a PNG (matplotlib); Markdown
+from the JSON is bench/markdown.py's.
+
+The JSON's head: command, commit (source_commit), cpu (machine.cpu_description), date, prompts,
+options, device, dtype, threads, versions.
 
 JSON fields per measurement: config, batch_size, tokens_per_second (median), samples (one per round),
 speedup_vs_ar and speedup_vs_hf (median of the rounds' paired ratios), mean_acceptance_length,
@@ -48,12 +52,36 @@ def measurement_dict(m: Measurement) -> dict:
     }
 
 
+def source_commit() -> str:
+    """The commit specgen's source is at (`-dirty`: with changes not committed), or "unknown" where it
+    is not a git checkout: a figure says what code made it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty else "")
+
+
 def report_dict(report: BenchReport, command: str) -> dict:
+    import datetime
+
     import torch
     import transformers
 
+    from specgen.machine import cpu_description
+
     return {
-        "command": command, "prompts": report.prompts, "num_prompts": report.num_prompts,
+        "command": command, "commit": source_commit(), "cpu": cpu_description(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+        "prompts": report.prompts, "num_prompts": report.num_prompts,
         "options": asdict(report.options), "device": report.device, "dtype": report.dtype,
         "threads": report.threads, "cpus": os.cpu_count(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -62,9 +90,12 @@ def report_dict(report: BenchReport, command: str) -> dict:
     }
 
 
-def write_json(report: BenchReport, path: Path, command: str) -> None:
+def write_json(report: BenchReport, path: Path, command: str) -> dict:
+    """Writes the JSON report; returns what it wrote."""
+    data = report_dict(report, command)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report_dict(report, command), indent=1) + "\n")
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
 
 
 def _x(value: float | None, digits: int = 2) -> str:

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from specgen.parallel.world import World
-from specgen.pipelines.runner import Progress
+from specgen.pipelines.requests import Progress
 from specgen.pipelines.stats import SpecCounters
 
 # Seconds between two gathers: often enough for a live bar, rare enough to cost nothing.

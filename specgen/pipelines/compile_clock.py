@@ -31,7 +31,6 @@ import torch
 _slowest_lowering = 0.0
 # CUDA graphs Inductor has recorded in this process (its compile callbacks, CUDAGRAPH_RECORDING)
 _recorded = 0
-_listening = False
 
 
 def slowest_lowering() -> float:
@@ -84,11 +83,12 @@ def _on_compile_end(args=None) -> None:
 
 
 def listen_for_recordings() -> None:
-    """Count CUDA-graph recordings from now on (once per process; Dynamo's public callback hook)."""
-    global _listening
-    if not _listening:
-        torch._dynamo.callback.on_compile_end(_on_compile_end)
-        _listening = True
+    """Count CUDA-graph recordings from now on (Dynamo's public callback hook). Checked at every
+    call: `torch._dynamo.reset()` (a runner's close, between a bench's runners) clears the hooks."""
+    from torch._dynamo.callback import callback_handler
+
+    if _on_compile_end not in callback_handler.end_callbacks:
+        callback_handler.register_end_callback(_on_compile_end)
 
 
 class CompileClock:
@@ -99,8 +99,6 @@ class CompileClock:
         self.seconds: dict = {}
         # the names whose compile loaded Inductor's graph cache (3-3.4x faster than lowering anew)
         self.from_graph_cache: set = set()
-        if compiled:
-            listen_for_recordings()
 
     def total(self) -> float:
         """Seconds spent building compiled code so far."""
@@ -110,6 +108,7 @@ class CompileClock:
         """`fn(*args)`; its time booked under a name where the call built something (module docstring)."""
         if not self.compiled:
             return fn(*args)
+        listen_for_recordings()
         first = name not in self.seconds
         graphs, recorded = graphs_compiled(), cuda_graphs_recorded()
         functions = cuda_graph_functions(self.device)

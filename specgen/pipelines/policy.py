@@ -591,7 +591,7 @@ class AdaptivePolicy:
         slot while a compiled k may still be rechecked (`_recheck` measures acceptance there). A
         slot whose draft did not absorb its prompt drafts nothing worth verifying: `rates` gives it
         one token a step whatever k, and the runner reports its blocks as plain steps'. Measured on
-        64 questions after a 1,600-token shared prefix, 48 tokens each, 16 slots (README: "Choosing
+        64 questions after a 1,600-token shared prefix, 48 tokens each, 16 slots (docs/choosing-a-draft.md: "Choosing
         K")."""
         if not self.ruled_out:
             return True

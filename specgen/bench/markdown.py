@@ -1,0 +1,68 @@
+"""A bench report as Markdown: the figures the docs show, written from the JSON, never typed.
+
+Contract: `markdown(report)` takes a bench report as `report_dict` writes it (bench/report.py: the
+JSON `specgen bench --output` saves) and returns a Markdown block: one line saying what ran
+(the command, the commit, the CPU or GPU, the dtype, the threads, the date) and one table of every
+measurement (tokens/s, speed-ups over ar and hf, acceptance length, how often each k ran, ms per step
+against ar's, warm-up seconds). `specgen bench --markdown FILE` writes it beside the JSON;
+`python -m specgen.bench.markdown REPORT.json` prints it for a report saved earlier. docs/performance.md
+holds these blocks as they were printed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _x(value) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _k_shares(histogram) -> str:
+    steps = sum(histogram or [])
+    used = [(k, n) for k, n in enumerate(histogram or []) if n]
+    if not steps or len(used) < 2:
+        return "-" if not used else str(used[0][0])
+    return " ".join(f"{k}:{n / steps:.0%}" for k, n in used)
+
+
+def markdown(report: dict) -> str:
+    options = report.get("options", {})
+    machine = report.get("cpu") if str(report.get("device", "")).startswith("cpu") else report.get("device")
+    lines = [
+        f"`{report.get('command', 'specgen bench')}`",
+        "",
+        f"commit {report.get('commit', 'unknown')}, {machine}, {report.get('dtype')}, "
+        f"{report.get('threads')} threads, {report.get('num_prompts')} prompts ({report.get('prompts')}), "
+        f"up to {options.get('max_tokens')} new tokens, median of {options.get('repeats')} rounds, "
+        f"{report.get('date', 'date unknown')}",
+        "",
+        "| batch | config | tok/s | vs ar | vs hf | accept len | k (share of steps) | step ms (x ar) | warm-up s |",
+        "|---:|---|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in report.get("results", []):
+        if r.get("error"):
+            speed = "skipped" if r.get("skipped") else "failed"
+            lines.append(f"| {r['batch_size']} | {r['config']} | {speed} | - | - | - | - | - | - |")
+            continue
+        length = "-" if r.get("mean_acceptance_length") is None else f"{r['mean_acceptance_length']:.2f}"
+        step = "-" if r.get("step_ms") is None else f"{r['step_ms']:.1f}"
+        if r.get("step_ratio") is not None:
+            step += f" ({r['step_ratio']:.2f}x)"
+        warm = f"{r['warmup_seconds']:.0f}" + (" +" if r.get("shares_runner_of") else "")
+        lines.append(f"| {r['batch_size']} | {r['config']} | {r['tokens_per_second']:,.1f} | "
+                     f"{_x(r.get('speedup_vs_ar'))} | {_x(r.get('speedup_vs_hf'))} | {length} | "
+                     f"{_k_shares(r.get('k_histogram'))} | {step} | {warm} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """`python -m specgen.bench.markdown REPORT.json [...]`: each report's block, in order."""
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: python -m specgen.bench.markdown REPORT.json [REPORT.json ...]")
+    print("\n".join(markdown(json.loads(open(path).read())) for path in sys.argv[1:]), end="")
+
+
+if __name__ == "__main__":
+    main()

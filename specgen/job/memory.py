@@ -1,0 +1,106 @@
+"""What a run will hold in memory, from configs alone, and the check made before weights load.
+
+Contract: `estimate_bytes(recipe, resolved)` -> bytes by part (weights, KV caches, the workspaces of
+a step and of a prefill, the CUDA graph pool, the draft's); `check_memory` raises `JobError` naming
+the parts and the recipe fields to lower when they exceed 90% of what is free (device memory, or
+RAM shared by the ranks on one machine); `available_bytes(device)` is what is free now. bench
+sizes each configuration's runner with the same estimate (bench/measure.memory_shortfall).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specgen.checkpoints.loading import draft_tensor_names, kept_fp8_elements, target_config
+from specgen.job.errors import JobError
+from specgen.job.resolved import Resolved, keeps_fp8, planned_tensor_parallel
+from specgen.models.tensor_parallel import rank_shape
+from specgen.recipe import Recipe
+from specgen.registry import DRAFT_METHODS
+
+
+def draft_config(recipe: Recipe, r: Resolved, cfg):
+    """The draft's config object (from its checkpoint, or the dummy config in the target's shape)."""
+    builder = DRAFT_METHODS[recipe.draft.model_method].builder()
+    return builder.config_cls.from_hf(r.draft_config or builder.dummy_config(cfg.shape()),
+                                      target_layers=cfg.num_layers, target_hidden=cfg.hidden_size,
+                                      target_vocab=cfg.vocab_size)
+
+
+def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
+    """What the run will hold, from configs alone: weights, caches, and the transients of a step and
+    a prefill call (logits and their processing, attention workspace, activations; on CUDA the
+    graph pool keeps the step's transients for good)."""
+    # a tensor-parallel rank holds its slice of the target (its heads, KV heads, MLP rows) and its
+    # cache; the draft, the embedding and the LM head are whole on every rank
+    cfg = target_config(r.target_config)
+    shard = rank_shape(cfg, planned_tensor_parallel(recipe))
+    # block-FP8 weights kept as FP8 take a byte each, beside their float32 scales
+    fp8, fp8_scales = kept_fp8_elements(r.target_config, r.target_folder) if keeps_fp8(recipe, r.device) else (0, 0)
+    # split over ranks like the rest (the few whole on every rank, MLA's q_a / kv_a, are not counted)
+    fp8, fp8_scales = fp8 // recipe.runtime.tensor_parallel_size, fp8_scales // recipe.runtime.tensor_parallel_size
+    item = torch.empty((), dtype=r.dtype).element_size()
+    b, k, dcfg = recipe.runtime.batch_size, 0, None
+    if recipe.draft.has_model:
+        dcfg = draft_config(recipe, r, cfg)
+        # A DFlash draft without an explicit K drafts a whole block.
+        k = recipe.draft.k_max or getattr(dcfg, "block_size", 2) - 1
+    elif recipe.draft.enabled:
+        k = recipe.draft.k_max      # host drafts: rows to verify, nothing else on the device
+    seq = recipe.runtime.max_seq_len + 2 * k + 2
+    rows, vocab, hidden = b * (k + 1), cfg.vocab_size, cfg.hidden_size
+    s = recipe.sampling
+    filters = s.temperature > 0 and (s.top_p < 1 or s.top_k > 0)
+    relaxed = s.relaxed_acceptance is not None and k > 0
+    parts = {
+        "target weights": shard.num_parameters() * item - fp8 * (item - 1) + fp8_scales * 4,
+        "target KV cache": shard.cache_bytes_per_token(r.dtype) * b * seq,
+        # fp32 logits, processed log-probs, noise scores; top-k / top-p: probabilities, keys, masks;
+        # relaxed acceptance: probabilities and a comparison
+        "logits workspace": rows * vocab * 4 * (3 + (4 if filters else 0) + (2 if relaxed else 0)),
+        # the reference path's scores over the longest bucket (the kernel's split-K partials are less)
+        "attention workspace": rows * cfg.num_heads * seq * 4,
+        "activations": rows * (2 * cfg.intermediate_size + 6 * hidden) * 4,
+    }
+    chunk, budget = (2048, 16384) if r.device.type == "cuda" else (512, 4096)
+    parts["prefill workspace"] = budget * (2 * cfg.intermediate_size + 8 * hidden) * item + \
+        min(budget, b * chunk) * cfg.num_heads * chunk * 4 // max(1, b)
+    if r.device.type == "cuda" and recipe.runtime.compile is not False:
+        parts["CUDA graph pool"] = parts["logits workspace"] + parts["activations"]
+    if dcfg is not None:
+        draft_item = torch.empty((), dtype=r.draft_dtype).element_size()
+        parts["draft weights"] = dcfg.num_parameters(draft_tensor_names(recipe.draft.model_method, r.draft_folder, r.draft_config)) * draft_item
+        if r.draft_dtype != r.dtype and recipe.draft.model_method in ("mtp", "dflash"):
+            parts["draft weights"] += vocab * hidden * draft_item   # the shared head again, in its dtype
+        parts["draft KV cache"] = dcfg.cache_bytes_per_token(r.draft_dtype) * b * seq
+        if recipe.draft.stochastic:
+            parts["draft probabilities"] = 2 * b * k * vocab * 4
+    return parts
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def check_memory(recipe: Recipe, r: Resolved, ranks_here: int = 1) -> dict[str, int]:
+    """`ranks_here`: processes of a torchrun job on this machine; on a CPU they share its RAM."""
+    parts = estimate_bytes(recipe, r)
+    need, have = sum(parts.values()), available_bytes(r.device)
+    if r.device.type == "cpu":
+        have //= max(1, ranks_here)
+    if need > 0.9 * have:
+        gib = 1 << 30
+        detail = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items())
+        where = "free device memory" if r.device.type == "cuda" else "available RAM"
+        raise JobError(
+            f"this run needs about {need / gib:.2f} GiB ({detail}) but only {have / gib:.2f} GiB of "
+            f"{where} is there. Lower runtime.batch_size (now {recipe.runtime.batch_size}) or "
+            f"runtime.max_seq_len (now {recipe.runtime.max_seq_len}), or use a smaller target.dtype.")
+    return parts
