@@ -345,3 +345,34 @@ def test_mla_through_the_attention_kernel_equals_the_reference_path(tmp_path):
         return torch.cat(out, 1)
 
     torch.testing.assert_close(logits_through(True), logits_through(False), atol=1e-4, rtol=1e-4)
+
+
+def test_a_tokens_experts_are_summed_in_a_fixed_order_not_by_atomic_adds(monkeypatch):
+    """GPU_NOTES 2: adding each token's k expert outputs with `index_add` runs atomics on CUDA, in
+    bf16, in whatever order the threads land, so the output's last bits changed from run to run. The
+    grouped path sums a token's k rows in the order of its choices instead. Here every index_add
+    adds its rows one at a time, each add rounded to the tensor's dtype, in a shuffled order (what
+    bf16 atomics do; CPU's own index_add accumulates in float32, whatever the order): the output keeps
+    its bits. The old `index_add` of the k rows fails this (checked by hand)."""
+    from specgen.models.moe import MoE, MoeConfig
+
+    cfg = MoeConfig.from_hf(tiny_deepseek_config())
+    torch.manual_seed(0)
+    moe = MoE(cfg).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.1)
+        x = torch.randn(29, cfg.hidden_size, dtype=torch.bfloat16)
+        weights, experts = moe.gate(x)
+        base = moe.experts._grouped(x, weights, experts)
+        for seed in range(4):
+            def atomic(self, dim, index, source, seed=seed):
+                assert dim == 0
+                out = self.clone()
+                for i in torch.randperm(index.numel(), generator=torch.Generator().manual_seed(seed)).tolist():
+                    out[index[i]] = out[index[i]] + source[i]          # rounded to bf16 at every add
+                return out
+
+            monkeypatch.setattr(torch.Tensor, "index_add", atomic)
+            assert torch.equal(moe.experts._grouped(x, weights, experts), base), seed
+            monkeypatch.undo()

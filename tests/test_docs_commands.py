@@ -92,3 +92,23 @@ def test_a_renamed_flag_would_fail(tmp_path):
         command = group.get_command(parent, args[0])
         with pytest.raises(typer.TyperException, match="No such option: --prompt-file"):
             command.make_context(args[0], list(args[1:]), parent=parent)
+
+
+def test_every_performance_table_is_bench_output_with_its_command_commit_and_machine():
+    """docs/performance.md and the README's summary hold `specgen bench --markdown` blocks as printed:
+    the generator's header row, under a line naming the command and one naming commit, machine and
+    date. A table typed by hand (another header) or stripped of where it came from fails."""
+    from specgen.bench.markdown import markdown
+
+    header = markdown({"results": []}).splitlines()[4]        # the header row the generator writes
+    for page in (ROOT / "docs" / "performance.md", ROOT / "README.md"):
+        lines = page.read_text().splitlines()
+        tables = [i for i, line in enumerate(lines) if line.startswith("| ") and
+                  (i == 0 or not lines[i - 1].startswith("|"))]
+        assert tables or page.name == "README.md", f"{page}: no table"
+        for i in tables:
+            if page.name == "README.md" and "tok/s" not in lines[i]:
+                continue                                        # the README's other tables
+            assert lines[i] == header, f"{page}:{i + 1}: not a bench --markdown table"
+            assert lines[i - 2].startswith("commit ") and "20" in lines[i - 2], f"{page}:{i - 1}"
+            assert lines[i - 4].startswith("`specgen bench "), f"{page}:{i - 3}"
