@@ -38,15 +38,16 @@ CPU_KV_GRANULE = 64
 class Prefill:
     def __init__(self, unified, functions, state, *, device, alloc_len: int, max_seq_len: int,
                  kv_bucket: Callable[[int], int], noise_key: Callable[[Request], int],
-                 chunk: int | None = None, budget: int | None = None) -> None:
+                 on_call: Callable[[], None] = lambda: None, chunk: int | None = None,
+                 budget: int | None = None) -> None:
         kind = "cuda" if device.type == "cuda" else "cpu"
         self.unified, self.functions, self.state, self.device = unified, functions, state, device
         self.alloc_len, self.max_seq_len = alloc_len, max_seq_len
         self.kv_bucket, self.noise_key = kv_bucket, noise_key
+        self.on_call = on_call                                     # after each prefill call (its count)
         self.chunk = chunk or PREFILL_CHUNK[kind]
         self.budget = max(budget or PREFILL_BUDGET[kind], self.chunk)
         self.alone = kind == "cpu"
-        self.calls = 0                                             # prefill calls made (RunTotals)
         self._prompt_logprobs: dict[int, list[dict | None]] = {}   # by slot, until its slot takes them
 
     def max_tokens(self, request: Request) -> int:
@@ -112,7 +113,7 @@ class Prefill:
             if absorb:
                 cold.difference_update(item.slot for item in call.items)
             hidden = self.functions.prefill(batch, absorb)
-            self.calls += 1
+            self.on_call()
             if hidden is None:
                 continue
             # entry j of a row: the prompt token at position start + j + 1 (a device->host read of
@@ -166,7 +167,6 @@ def admit(runner, free: list[int], pending: Iterator[Request], slots: list[Slot 
             else:
                 cold.add(b)
     failed = runner.prefill.run(admitted, starts, cold)
-    totals.prefill_calls, runner.prefill.calls = totals.prefill_calls + runner.prefill.calls, 0
     for b, request in admitted:
         if b in failed:
             finish(Completion(request.id, [], "", "error", len(request.prompt_ids), None, failed[b]))

@@ -105,7 +105,7 @@ class Runner:
         # admission's checks and the prefill (pipelines/admission.py); on CPU each prompt alone
         self.prefill = Prefill(step, self.functions, self.state, device=device, alloc_len=self.alloc_len,
                                max_seq_len=max_seq_len, kv_bucket=self.kv_bucket, noise_key=self.noise_key,
-                               chunk=prefill_chunk, budget=prefill_budget)
+                               on_call=self._count_prefill_call, chunk=prefill_chunk, budget=prefill_budget)
         self.host = HostDrafts(proposer, self.state, batch_size, step.k, self.hybrid) if proposer is not None else None
         # per token of a step's output: 1 column, and the packed logprobs when asked for
         self.lp_width = step.logprobs.width if step.logprobs is not None else 0
@@ -415,6 +415,9 @@ class Runner:
         # The device would stop the slot only at its length limit; a stop string or EOS ends it here
         # (queued behind any step already in flight, which then runs it once more, harmlessly).
         self.state.active[b] = False
+
+    def _count_prefill_call(self) -> None:
+        self.totals.prefill_calls += 1      # the run's totals at the time (live after an interrupt)
 
     def noise_key(self, request: Request) -> int:
         return noise_key_for(self.seed, request.request_key)
