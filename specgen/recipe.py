@@ -76,6 +76,10 @@ class TargetSpec:
     # (kernels/block_fp8.py); dequantize = to the run's dtype at load; auto = keep on GPUs with FP8
     # tensor cores (compute capability 8.9+), dequantize elsewhere
     fp8_weights: str = "auto"
+    # weight-only quantization kept for the run (models/quantized.py): int8 (a code per weight, a scale
+    # per row) or int4 (group-wise 32, symmetric); auto = the checkpoint's own, else none. CPU targets
+    # of the Llama family for now; the drafts stay in their dtype
+    quantization: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,7 +494,8 @@ _TOP = ("target", "draft", "sampling", "runtime", "prompts", "output", "chat_tem
         "chat_template_kwargs", "reasoning", "train")
 _TRAIN = tuple(TrainSpec.__dataclass_fields__)
 FP8_WEIGHTS = ("auto", "keep", "dequantize")
-_TARGET = ("model", "dtype", "load_format", "hf_overrides", "fp8_weights")
+QUANTIZATIONS = ("auto", "none", "int8", "int4")     # target.quantization (models/quantized.py)
+_TARGET = ("model", "dtype", "load_format", "hf_overrides", "fp8_weights", "quantization")
 _DRAFT = ("method", "model", "load_format", "num_speculative_tokens", "stochastic", "max_speculative_tokens",
           "dtype", "suffix_history", "jump_forward")
 LOGPROBS_MODES = ("processed", "raw")    # pipelines/logprobs.py
@@ -519,6 +524,7 @@ def recipe_from_dict(data: Mapping[str, Any], source: Path | None = None) -> Rec
         load_format=check.get(t, "target.load_format", _choice(LOAD_FORMATS), "auto"),
         hf_overrides=check.get(t, "target.hf_overrides", _optional(_string_keyed), None) or {},
         fp8_weights=check.get(t, "target.fp8_weights", _choice(FP8_WEIGHTS), "auto"),
+        quantization=check.get(t, "target.quantization", _choice(QUANTIZATIONS), "auto"),
     )
 
     d = check.section(data, "draft", _DRAFT)

@@ -165,6 +165,8 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
     from specgen.checkpoints.loading import load_target
     from specgen.checkpoints.tokenizer import load_tokenizer
     from specgen.job import JobError, build_runner, resolve
+    from specgen.job.resolved import kept_quantization
+    from specgen.models.quantized import quantize_target
 
     status = on_status or (lambda line: None)
     base = recipes[0]
@@ -181,6 +183,8 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
         found = [resolve(recipe) for recipe in recipes]
         target = load_target(resolved.target_config, resolved.target_folder, dtype=resolved.dtype,
                              device=resolved.device, dummy=base.target.load_format == "dummy")
+        if kept_quantization(base) is not None:         # once, for every runner that shares it
+            quantize_target(target, kept_quantization(base))
         tokenizer = load_tokenizer(resolved.target_folder, target.vocab_size)
     except JobError as err:
         raise BenchError(str(err), getattr(err, "exit_code", 1)) from err

@@ -23,8 +23,10 @@ from specgen.drafts.forced import JUMP_FORWARD_K
 from specgen.drafts.suffix import SuffixProposer
 from specgen.job.errors import InputError
 from specgen.job.resolved import (
-    DTYPES, Resolved, auto_dtype, draft_dtype, draft_inside_a_dummy_target, keeps_fp8, read_suffix_history)
+    DTYPES, Resolved, auto_dtype, draft_dtype, draft_inside_a_dummy_target, keeps_fp8, kept_quantization,
+    read_suffix_history)
 from specgen.machine import choose_threads, cpu_has_amx, cpu_has_avx512, cpu_has_bf16
+from specgen.models.quantized import quantize_target
 from specgen.models.tensor_parallel import TensorParallel
 from specgen.pipelines.compiled import freezes, use_compile_cache
 from specgen.pipelines.host_policy import HostDraftPolicy
@@ -56,6 +58,8 @@ def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | N
     setting = recipe.runtime.compile
     if setting is not None:
         return setting, "runtime.compile"
+    if kept_quantization(recipe) is not None:
+        return False, f"auto: target.quantization {kept_quantization(recipe)} runs eager steps"
     if device.type == "cuda":
         return True, "auto: CUDA graphs"
     if expected_steps is None:
@@ -98,6 +102,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     if target is None:
         target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
                              dummy=dummy_target, tp=tp, keep_fp8=keeps_fp8(recipe, r.device))
+        if kept_quantization(recipe) is not None:
+            quantize_target(target, kept_quantization(recipe))
     if dummy_target:
         notes.append("target.load_format is dummy: random weights, the output text is meaningless "
                      "(for measuring speed only)")
@@ -203,6 +209,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                   " (auto: AVX-512, bf16 converted in registers)" if dtype == "bfloat16" else
                   " (auto: eager steps, where bf16 converts on this CPU)" if cpu_has_avx512() else
                   " (auto: no AVX-512 on this CPU)")
+    if kept_quantization(recipe) is not None:
+        dtype += f", {kept_quantization(recipe)} weights (target.quantization)"
     if draft is not None and r.draft_dtype != r.dtype:
         dtype += f", draft {str(r.draft_dtype).removeprefix('torch.')}"
     runner.header = (f"{device}, {dtype}, "

@@ -72,12 +72,43 @@ def resolve(recipe: Recipe) -> Resolved:
                 draft_folder, draft_cfg = draft_checkpoint(recipe, folder, config)
     except (CheckpointError, UnsupportedError, ValueError) as err:
         raise InputError(str(err)) from err
+    check_quantization(recipe, device, architecture_name(config))
     dtype = DTYPES[dtype_name]
     resolved = Resolved(device, dtype, folder, config, draft_folder, draft_cfg,
                         draft_dtype(recipe.draft.dtype, dtype, device))
     resolved.suffix_history = read_suffix_history(recipe, cfg.vocab_size)
     check_checkpoints(recipe, resolved)
     return resolved
+
+
+# The targets whose products `target.quantization` keeps quantized (models/quantized.quantize_target:
+# every nn.Linear of the layers, and the head); MoE experts are stacked tensors, not yet
+QUANTIZABLE_TARGETS = ("LlamaForCausalLM",)
+
+
+def kept_quantization(recipe: Recipe) -> str | None:
+    """The weight-only quantization the run keeps ("int8" / "int4"), or None (auto: the checkpoint's
+    own, which is dequantised on load today, else none)."""
+    kind = recipe.target.quantization
+    return kind if kind in ("int8", "int4") else None
+
+
+def check_quantization(recipe: Recipe, device: torch.device, architecture: str) -> None:
+    """What `target.quantization` can run on (InputError naming the field otherwise): CPU, one
+    process, a target of the Llama family, eager steps."""
+    kind = kept_quantization(recipe)
+    if kind is None:
+        return
+    where = f"recipe.target.quantization: {kind}"
+    if device.type != "cpu":
+        raise InputError(f"{where} runs on CPU for now (the GPU's W4A16 kernel is not built yet); "
+                         "set runtime.device: cpu or target.quantization: none")
+    if architecture not in QUANTIZABLE_TARGETS:
+        raise InputError(f"{where}: not yet for {architecture} (supported: {', '.join(QUANTIZABLE_TARGETS)})")
+    if recipe.runtime.tensor_parallel_size > 1:
+        raise InputError(f"{where}: not yet with runtime.tensor_parallel_size > 1")
+    if recipe.runtime.compile is True:
+        raise InputError(f"{where}: its products run in eager steps only for now; set runtime.compile: auto or false")
 
 
 def read_suffix_history(recipe: Recipe, vocab_size: int) -> list[list[int]] | None:

@@ -15,6 +15,7 @@ from torch import nn
 
 from specgen.models.attention import AttentionBatch
 from specgen.models.layers import float32_logits
+from specgen.models.quantized import QuantizedLinear
 
 
 class DecoderTarget(nn.Module):
@@ -47,6 +48,9 @@ class DecoderTarget(nn.Module):
         return self.model.norm(hidden)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, QuantizedLinear):
+            # float32 logits of a bf16 product (models/quantized.py: bf16 activations)
+            return self.lm_head.quantized.matmul(hidden).to(torch.float32)
         return float32_logits(hidden, self.lm_head.weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
