@@ -78,7 +78,7 @@ class TargetSpec:
     fp8_weights: str = "auto"
     # weight-only quantization kept for the run (models/quantized.py): int8 (a code per weight, a scale
     # per row) or int4 (group-wise 32, symmetric); auto = the checkpoint's own, else none. CPU targets
-    # of the Llama family for now; the drafts stay in their dtype
+    # of the Llama family for now, eager or compiled; the drafts stay in their dtype
     quantization: str = "auto"
 
 

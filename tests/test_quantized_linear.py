@@ -107,9 +107,26 @@ def test_speculative_output_on_a_quantized_target_equals_plain_output_on_it(mode
     assert dense != plain            # the quantized target is a model of its own (the test is not vacuous)
 
 
+def test_compiled_speculative_steps_on_a_quantized_target_equal_compiled_plain_steps(models):  # noqa: F811
+    """Compiled (Inductor calls the same weight-only kernels inside the step's graph): spec == plain."""
+    target, draft = models
+    ids = prompts()[:3]
+
+    def quantized(recipe):
+        return replace(recipe, target=replace(recipe.target, quantization="int4", dtype="bfloat16"))
+
+    plain_recipe = quantized(make_recipe(target, batch=2, compile=True))
+    plain, _ = run(build_runner(plain_recipe, resolve(plain_recipe), 7)[0], ids, max_tokens=12)
+    spec_recipe = quantized(make_recipe(target, draft, k=2, batch=2, compile=True))
+    runner = build_runner(spec_recipe, resolve(spec_recipe), 7)[0]
+    assert runner.compiled
+    spec, totals = run(runner, ids, max_tokens=12)
+    assert spec == plain and totals.spec.num_drafts > 0
+
+
 def test_what_quantization_cannot_run_on_yet_is_a_clear_error(models):  # noqa: F811
     target, _ = models
     base = {"target": {"model": str(target), "quantization": "int4"}, "chat_template": False,
-            "runtime": {"device": "cpu", "compile": True}}
-    with pytest.raises(InputError, match="target.quantization: int4: its products run in eager steps only"):
+            "runtime": {"device": "cpu", "tensor_parallel_size": 2}}
+    with pytest.raises(InputError, match="target.quantization: int4: not yet with runtime.tensor_parallel_size"):
         resolve(recipe_from_dict(base))

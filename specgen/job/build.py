@@ -58,8 +58,6 @@ def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | N
     setting = recipe.runtime.compile
     if setting is not None:
         return setting, "runtime.compile"
-    if kept_quantization(recipe) is not None:
-        return False, f"auto: target.quantization {kept_quantization(recipe)} runs eager steps"
     if device.type == "cuda":
         return True, "auto: CUDA graphs"
     if expected_steps is None:

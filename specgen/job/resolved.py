@@ -95,7 +95,7 @@ def kept_quantization(recipe: Recipe) -> str | None:
 
 def check_quantization(recipe: Recipe, device: torch.device, architecture: str) -> None:
     """What `target.quantization` can run on (InputError naming the field otherwise): CPU, one
-    process, a target of the Llama family, eager steps."""
+    process, a target of the Llama family."""
     kind = kept_quantization(recipe)
     if kind is None:
         return
@@ -107,8 +107,6 @@ def check_quantization(recipe: Recipe, device: torch.device, architecture: str) 
         raise InputError(f"{where}: not yet for {architecture} (supported: {', '.join(QUANTIZABLE_TARGETS)})")
     if recipe.runtime.tensor_parallel_size > 1:
         raise InputError(f"{where}: not yet with runtime.tensor_parallel_size > 1")
-    if recipe.runtime.compile is True:
-        raise InputError(f"{where}: its products run in eager steps only for now; set runtime.compile: auto or false")
 
 
 def read_suffix_history(recipe: Recipe, vocab_size: int) -> list[list[int]] | None:

@@ -11,7 +11,8 @@ read a quarter / half of bf16's bytes); `weight.dequantized()` is W_q itself, de
 `Linear` under `module` for one. A quantized target is a different model from the bf16 one; what
 specgen promises for it is that speculative output equals plain decoding's with the same quantized
 weights (the products give each row the same bits alone as beside others: tests/test_quantized_linear.py).
-CPU only for now: a GPU's W4A16 kernel is issue 71's next part.
+CPU only for now (eager, or compiled: Inductor calls the same kernels inside the step's graph); a GPU's
+W4A16 kernel is issue 71's next part.
 """
 
 from __future__ import annotations
