@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from specgen.machine import cpu_description
 
 RECIPES = {"plain": "recipes/smollm2-ar.yaml", "eagle3": "recipes/smollm2-eagle3.yaml",
            "dflash": "recipes/smollm2-dflash.yaml", "mtp": "recipes/smollm2-mtp.yaml",
@@ -35,17 +36,7 @@ SAMPLING = {"greedy": ["sampling.temperature=0"],
 
 
 def cpu_name() -> str:
-    model, flags = "unknown CPU", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model == "unknown CPU":
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{model} ({', '.join(isa) or 'no AVX2'}), {os.cpu_count()} CPUs"
+    return cpu_description()
 
 
 def run(method: str, mode: str, batch: int, threads: int, sampling: str, args, out: Path) -> dict[str, list[int]]:

@@ -39,7 +39,7 @@ from specgen.checkpoints.loading import load_target, read_draft_tensors
 from specgen.checkpoints.store import CheckpointError, cache_root
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.drafts.dflash import dflash_value
-from specgen.machine import choose_threads, cpu_has_bf16
+from specgen.machine import choose_threads, cpu_description, cpu_has_bf16
 from specgen.recipe import Recipe
 from specgen.training.distill import (DistillSpec, answer_token_counts, dataset_sequences, distill_folder,
                                       distilled_responses, target_fingerprint, training_sequences)
@@ -541,11 +541,5 @@ def _first_prompts(prompts: Path, count: int, out: Path) -> Path:
 def _machine(device: torch.device, threads: int) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = "cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model}, {threads} thread{'s' * (threads != 1)} ({os.cpu_count()} CPUs), {platform.system()}, no GPU"
+    return f"{cpu_description()}, {threads} thread{'s' * (threads != 1)}, {platform.system()}, no GPU"
 
