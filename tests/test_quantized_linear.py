@@ -130,3 +130,24 @@ def test_what_quantization_cannot_run_on_yet_is_a_clear_error(models):  # noqa: 
             "runtime": {"device": "cpu", "tensor_parallel_size": 2}}
     with pytest.raises(InputError, match="target.quantization: int4: not yet with runtime.tensor_parallel_size"):
         resolve(recipe_from_dict(base))
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_memory_estimate_counts_the_kept_bytes(models, kind):  # noqa: F811
+    """job/memory.py's "target weights" for a quantized target: what the loaded model holds (codes
+    and scales, the dense embedding and head), within 2%, and less than the dense model's."""
+    from specgen.job import estimate_bytes
+
+    target, _ = models
+    recipe = replace(make_recipe(target), target=replace(make_recipe(target).target, quantization=kind,
+                                                         dtype="bfloat16"))
+    runner = build_runner(recipe, resolve(recipe), 7)[0]
+    model = runner.unified.target
+    held = sum(m.quantized.nbytes() for m in model.modules() if isinstance(m, QuantizedLinear))
+    tensors = {id(t): t for t in (*model.parameters(), model.lm_head.dense)}     # the dense head kept too
+    held += sum(t.numel() * t.element_size() for t in tensors.values())
+    estimate = estimate_bytes(recipe, resolve(recipe))["target weights"]
+    dense = estimate_bytes(replace(recipe, target=replace(recipe.target, quantization="none")),
+                           resolve(recipe))["target weights"]
+    assert abs(estimate - held) <= 0.02 * held, (estimate, held)
+    assert estimate < dense

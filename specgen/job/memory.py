@@ -13,7 +13,7 @@ import torch
 
 from specgen.checkpoints.loading import draft_tensor_names, kept_fp8_elements, target_config
 from specgen.job.errors import JobError
-from specgen.job.resolved import Resolved, keeps_fp8, planned_tensor_parallel
+from specgen.job.resolved import Resolved, keeps_fp8, kept_quantization, planned_tensor_parallel
 from specgen.models.tensor_parallel import rank_shape
 from specgen.recipe import Recipe
 from specgen.registry import DRAFT_METHODS
@@ -53,7 +53,8 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     filters = s.temperature > 0 and (s.top_p < 1 or s.top_k > 0)
     relaxed = s.relaxed_acceptance is not None and k > 0
     parts = {
-        "target weights": shard.num_parameters() * item - fp8 * (item - 1) + fp8_scales * 4,
+        "target weights": kept_quantized_bytes(recipe, shard, item) if kept_quantization(recipe) else
+        shard.num_parameters() * item - fp8 * (item - 1) + fp8_scales * 4,
         "target KV cache": shard.cache_bytes_per_token(r.dtype) * b * seq,
         # fp32 logits, processed log-probs, noise scores; top-k / top-p: probabilities, keys, masks;
         # relaxed acceptance: probabilities and a comparison
@@ -76,6 +77,22 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
         if recipe.draft.stochastic:
             parts["draft probabilities"] = 2 * b * k * vocab * 4
     return parts
+
+
+
+
+def kept_quantized_bytes(recipe: Recipe, shape, item: int) -> int:
+    """The target's weights with `target.quantization` kept (models/quantized.quantize_target): the
+    layers and the head as codes and scales; the embedding dense in the run's dtype, and the head's
+    dense weight beside its codes (the embedding itself where they are tied). `item`: bytes of the
+    run's dtype."""
+    embedding = shape.vocab_size * shape.hidden_size
+    dense = embedding * (1 if shape.tie_word_embeddings else 2)
+    quantized = shape.num_parameters() - dense + embedding          # the layers, and the head's codes
+    # int4: half a byte and a bf16 (scale, zero) pair per 32 weights; int8: a byte and a bf16 scale per
+    # row (of about hidden_size weights)
+    per_weight = 0.5 + 4 / 32 if kept_quantization(recipe) == "int4" else 1 + 2 / shape.hidden_size
+    return int(dense * item + quantized * per_weight)
 
 
 def available_bytes(device: torch.device) -> int:
