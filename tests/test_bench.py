@@ -73,7 +73,8 @@ def test_bench_compares_a_draft_with_ar_and_hf(tmp_path, monkeypatch):
     body = [line.split(" | ") for line in table[6:]]
     assert len(body) == len(rows)
     for row, cells in zip(rows, body, strict=True):
-        assert cells[0] == f"| {row['batch_size']}" and cells[1] == row["config"]
+        config = f"{row['config']} ({row['dtype']})" if row["dtype"] else row["config"]
+        assert cells[0] == f"| {row['batch_size']}" and cells[1] == config
         assert cells[2] == f"{row['tokens_per_second']:,.1f}" and cells[3] == f"{row['speedup_vs_ar']:.2f}x"
     assert sum(spec["acceptance_histogram"]) == spec["num_drafts"] > 0
     assert {"target", "verify", "draft", "host", "total"} <= spec["split_ms"].keys()
@@ -120,10 +121,15 @@ def test_hf_baseline_is_transformers_in_a_fresh_process_with_bench_threads(tmp_p
     monkeypatch.setenv("SPECGEN_CACHE", str(tmp_path / "cache"))
     config = tiny_llama_config(vocab_size=300)
     target = write_llama_checkpoint(tmp_path / "target", config)
-    result, _ = bench(tmp_path, target, {"method": "none"}, "--limit", "3", "--batch-sizes", "1,2",
-                      "--max-tokens", "6", "--repeats", "2", "--baselines", "ar,hf")
+    result, out = bench(tmp_path, target, {"method": "none"}, "--limit", "3", "--batch-sizes", "1,2",
+                        "--max-tokens", "6", "--repeats", "2", "--baselines", "ar,hf")
     assert result.exit_code == 0, result.output
     assert {batch for _, _, batch, _, _ in asked} == {1, 2}    # a warm-up and two runs per batch size
+    # on a CPU it runs in the faster of float32 and bf16 (timed on its warm-up prompts), and says which
+    dtypes = {r["batch_size"]: r["dtype"] for r in json.loads(out.read_text())["results"] if r["config"] == "hf"}
+    assert set(dtypes) == {1, 2} and set(dtypes.values()) <= {"float32", "bfloat16"}
+    for batch, dtype in dtypes.items():
+        assert f"batch {batch}: hf runs transformers in {dtype} (warm-up prompts: float32 " in result.output
     for facts, _, _, _, _ in asked:
         assert facts["pid"] != os.getpid() and facts["threads"] == 1
         held = [m for m in facts["specgen_modules"] if m.startswith(("specgen.models", "specgen.pipelines.compiled"))]
@@ -132,9 +138,10 @@ def test_hf_baseline_is_transformers_in_a_fresh_process_with_bench_threads(tmp_p
     assert "specgen.pipelines.compiled" in hf.process_facts()["specgen_modules"]
     # the child ran the same job an in-process transformers would: the same tokens counted
     tokenizer = load_tokenizer(target, config["vocab_size"])
-    alone = hf.HFGenerate(target, torch.device("cpu"), torch.float32, False, tokenizer)
+    alone = {d: hf.HFGenerate(target, torch.device("cpu"), getattr(torch, d), False, tokenizer)
+             for d in set(dtypes.values())}
     for _, prompts, batch, max_tokens, tokens in asked:
-        assert alone.generate(prompts, batch, max_tokens)[0] == tokens
+        assert alone[dtypes[batch]].generate(prompts, batch, max_tokens)[0] == tokens
 
 
 def test_a_round_runs_its_prompts_in_legs_of_at_least_a_batch():

@@ -6,6 +6,11 @@ dynamic cache, eager. Tokens counted per row up to and including its first EOS (
 as specgen counts them; rows that finished early still ride along in their batch: that is the cost
 of static batching, and part of what the baseline measures.
 
+In the dtype its users would pick: on a CPU transformers' bf16 path can be slower than its float32
+one (an Intel Xeon: ar / hf at one slot was 2.65x against bf16 and 1.36-1.45x with both in float32),
+so there the child times its warm-up prompts in float32 and in bf16 and keeps the faster
+(`HFProcess.choose_dtype`); the report names the dtype it ran in. On CUDA it runs the run's dtype.
+
 Why a process of its own: a user runs transformers in a fresh Python, not in one that has compiled
 and frozen specgen's steps and holds their caches. Measured in the same process after specgen's
 configurations, `generate` ran at 14.1 tok/s where a fresh process gave 28.5-30.9 (SmolLM2, batch 1,
@@ -105,6 +110,12 @@ class HFProcess:
         reply = self._ask({"prompts": prompts, "batch": batch, "max_tokens": max_tokens})
         return reply["tokens"], reply["seconds"]
 
+    def choose_dtype(self, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[str, dict[str, float]]:
+        """Time `prompts` in float32 and in bf16 (each run twice, the second timed) and keep the faster
+        model; returns (its dtype, tokens/s of each)."""
+        reply = self._ask({"choose_dtype": True, "prompts": prompts, "batch": batch, "max_tokens": max_tokens})
+        return reply["dtype"], reply["tokens_per_second"]
+
     def close(self) -> None:
         if self.child.poll() is None:
             self.child.stdin.close()
@@ -124,6 +135,23 @@ def main(argv: list[str]) -> None:
         request = json.loads(line)
         if request.get("ready"):
             reply = {"ready": True}
+        elif request.get("choose_dtype"):
+            speeds = {}
+            for name in ("float32", "bfloat16"):
+                if name != dtype:
+                    model.close()          # one model in memory at a time
+                    model = HFGenerate(Path(folder), torch.device(device), getattr(torch, name),
+                                       ignore_eos == "1", tokenizer)
+                model.generate(request["prompts"], request["batch"], request["max_tokens"])    # warm
+                tokens, seconds = model.generate(request["prompts"], request["batch"], request["max_tokens"])
+                speeds[name], dtype = tokens / seconds, name
+            best = max(speeds, key=speeds.get)
+            if best != dtype:
+                model.close()
+                model = HFGenerate(Path(folder), torch.device(device), getattr(torch, best), ignore_eos == "1",
+                                   tokenizer)
+                dtype = best
+            reply = {"dtype": best, "tokens_per_second": speeds}
         elif request.get("about"):
             reply = process_facts()
         else:

@@ -51,7 +51,8 @@ def markdown(report: dict) -> str:
         if r.get("step_ratio") is not None:
             step += f" ({r['step_ratio']:.2f}x)"
         warm = f"{r['warmup_seconds']:.0f}" + (" +" if r.get("shares_runner_of") else "")
-        lines.append(f"| {r['batch_size']} | {r['config']} | {r['tokens_per_second']:,.1f} | "
+        config = f"{r['config']} ({r['dtype']})" if r.get("dtype") else r["config"]
+        lines.append(f"| {r['batch_size']} | {config} | {r['tokens_per_second']:,.1f} | "
                      f"{_x(r.get('speedup_vs_ar'))} | {_x(r.get('speedup_vs_hf'))} | {length} | "
                      f"{_k_shares(r.get('k_histogram'))} | {step} | {warm} |")
     return "\n".join(lines) + "\n"

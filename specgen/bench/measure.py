@@ -104,6 +104,7 @@ class Measurement:
     leg_samples: list[float] = field(default_factory=list)   # tokens/s of each leg, in run order
     error: str | None = None              # why it has no figures: what it raised ("RuntimeError: ...")
     skipped: bool = False                 # not run: it would not fit in memory beside the others (error says)
+    dtype: str | None = None              # hf: the dtype transformers ran in (on CPU the faster of two)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -345,6 +346,13 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
 
                     runners[name] = HFProcess(resolved.target_folder, resolved.device, resolved.dtype,
                                               base.sampling.ignore_eos, torch.get_num_threads())
+                    hf_dtype = str(resolved.dtype).removeprefix("torch.")
+                    if resolved.device.type == "cpu":     # the faster of float32 and bf16 (bench/hf.py)
+                        choosing = time.perf_counter()
+                        hf_dtype, speeds = runners[name].choose_dtype(prompts[:batch], batch, options.max_tokens)
+                        start += time.perf_counter() - choosing          # not part of its warm-up
+                        status(f"batch {batch}: hf runs transformers in {hf_dtype} (warm-up prompts: "
+                               + ", ".join(f"{d} {v:.1f} tok/s" for d, v in speeds.items()) + ")")
                     runners[name].generate(prompts[:batch], batch, options.max_tokens)
                 else:
                     if lead == name:
@@ -365,7 +373,8 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                 continue
             measurements[name] = Measurement(name, batch, [], 0, time.perf_counter() - start,
                                              runners[name].compiled,
-                                             shares_runner_of=lead if lead != name else None)
+                                             shares_runner_of=lead if lead != name else None,
+                                             dtype=hf_dtype if recipe is None else None)
             status(f"batch {batch}: {name} warmed up in {measurements[name].warmup_seconds:.1f} s")
         measurements = {name: measurements[name] for name, _, _ in configs}   # the configs' order
         legs = prompt_legs(len(prompts), batch, options.chunk)

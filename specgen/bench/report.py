@@ -12,7 +12,8 @@ paired by round), split_ms (eager twin: target / verify / draft / prefill / host
 total, ms per step), warmup_seconds, shares_runner_of (the config whose compiled step it ran on; its
 warm-up is then what it added), compiled, peak_memory_bytes, output_tokens, error (what a failed
 configuration raised, or why a skipped one was not run; its figures are then null), skipped (true:
-it would not fit in memory beside the others, bench/measure.memory_shortfall).
+it would not fit in memory beside the others, bench/measure.memory_shortfall), dtype (hf: the dtype
+transformers ran in; on CPU the faster of float32 and bf16, bench/hf.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ FIELDS = ("config", "batch_size", "tokens_per_second", "samples", "leg_samples",
           "speedup_vs_hf", "mean_acceptance_length", "draft_acceptance_rate", "acceptance_rate_per_position",
           "acceptance_histogram", "num_drafts", "k_histogram", "step_ms", "step_ratio", "split_ms",
           "warmup_seconds", "shares_runner_of", "compiled", "peak_memory_bytes", "output_tokens", "error",
-          "skipped")
+          "skipped", "dtype")
 
 
 def measurement_dict(m: Measurement) -> dict:
@@ -48,7 +49,7 @@ def measurement_dict(m: Measurement) -> dict:
         "split_ms": m.split_ms, "warmup_seconds": m.warmup_seconds, "shares_runner_of": m.shares_runner_of,
         "policy": m.policy,
         "compiled": m.compiled, "peak_memory_bytes": m.peak_memory_bytes, "output_tokens": m.output_tokens,
-        "error": m.error, "skipped": m.skipped,
+        "error": m.error, "skipped": m.skipped, "dtype": m.dtype,
     }
 
 
@@ -130,7 +131,7 @@ def table(report: BenchReport) -> Table:
         if m.step_ratio is not None:
             step += f" ({m.step_ratio:.2f}x)"
         speed = ("skipped" if m.skipped else "failed") if m.error else f"{m.tokens_per_second:,.1f}"
-        t.add_row(str(m.batch_size), m.config, speed, _x(m.speedup_vs_ar),
+        t.add_row(str(m.batch_size), f"{m.config} ({m.dtype})" if m.dtype else m.config, speed, _x(m.speedup_vs_ar),
                   _x(m.speedup_vs_hf),
                   "-" if d["mean_acceptance_length"] is None else f"{d['mean_acceptance_length']:.2f}",
                   "-" if d["draft_acceptance_rate"] is None else f"{d['draft_acceptance_rate']:.0%}",
