@@ -41,9 +41,34 @@ def test_int4_codes_and_weights_are_the_formats(n, k, group):
     assert np.array_equal(codes.numpy(), ref_codes)
     np.testing.assert_allclose(scales.numpy(), ref_scales, rtol=1e-7)
     # the dense weights the packed product multiplies by: (code - 8) x the bf16 scale, exactly
-    dense = quantize_int4(w, group).dequantized().numpy()
+    dense = quantize_int4(w, group, symmetric=True).dequantized().numpy()
     expected = (ref_codes - 8).reshape(n, k // group, group) * bf16(ref_scales)[..., None]
     assert np.array_equal(dense, expected.reshape(n, k).astype(np.float32))
+
+
+def numpy_affine_int4(w: np.ndarray, group: int) -> np.ndarray:
+    """Affine group-wise int4 written apart from specgen's: per group, scale = bf16((max - min) / 15),
+    zero = bf16(min + 8 scale), code = clip(rint((w - zero) / scale) + 8, 0, 15); the weights it keeps."""
+    n, k = w.shape
+    g = w.astype(np.float32).reshape(n, k // group, group)
+    low, high = g.min(axis=-1), g.max(axis=-1)
+    scale = bf16((high - low) / np.float32(15))
+    zero = bf16(low + 8 * scale)
+    safe = np.where(scale > 0, scale, 1).astype(np.float32)
+    codes = np.clip(np.rint((g - zero[..., None]) / safe[..., None]) + 8, 0, 15)
+    return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(n, k).astype(np.float32)
+
+
+@pytest.mark.parametrize(("n", "k", "group"), [(64, 128, 32), (48, 256, 64)])
+def test_affine_int4_keeps_the_formats_weights_and_lands_on_a_4_bit_grid_exactly(n, k, group):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(7)) * 0.05
+    kept = quantize_int4(w, group).dequantized().numpy()
+    np.testing.assert_allclose(kept, numpy_affine_int4(w.numpy(), group), rtol=0, atol=1e-7)
+    # weights already on a group's 16-level grid (as a Q4_1 GGUF's are) come back as they were
+    grid = (torch.randint(0, 16, (n, k)) - 8).float() * 0.015625 + 0.25
+    grid.view(n, k // group, group)[..., 0] = -8 * 0.015625 + 0.25      # each group spans all 16 levels
+    grid.view(n, k // group, group)[..., 1] = 7 * 0.015625 + 0.25
+    assert torch.equal(quantize_int4(grid, group).dequantized(), grid)
 
 
 def test_int8_codes_and_weights_are_the_formats():

@@ -2,8 +2,10 @@
 
 Contract: `quantize_int4(weight, group)` / `quantize_int8(weight)` -> a `QuantizedWeight` holding what
 the product reads: int4 as torch's CPU pack of 4-bit codes with one bf16 (scale, zero) pair per
-`group` input columns of a row, symmetric (zero = 0, code = round(w / scale) + 8 in 0..15: the
-layout Kimi K2.5's checkpoints publish their experts in, compressed-tensors `pack-quantized`); int8
+`group` input columns of a row, w = (code - 8) x scale + zero; a dense weight is quantized affine
+(each group's min..max over the 16 codes: `int4_affine_codes`), and the symmetric form (zero = 0,
+code = round(w / scale) + 8: `int4_codes`, the layout Kimi K2.5's checkpoints publish their experts
+in, compressed-tensors `pack-quantized`) is what a published symmetric checkpoint packs into; int8
 as one code per weight and one scale per output row. `weight.matmul(x)` is x @ W_q^T computed from
 the codes (torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`: weight-only kernels that
 read a quarter / half of bf16's bytes); `weight.dequantized()` is W_q itself, dense, for references.
@@ -73,14 +75,38 @@ def int4_codes(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Ten
     return (values + 8).to(torch.int32).view(n, k), scales
 
 
-def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> QuantizedWeight:
-    # weight: [N, K] -> codes packed for torch's CPU int4 product, bf16 (scale, zero = 0) per group
+def int4_affine_codes(weight: torch.Tensor, group: int = INT4_GROUP
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Affine group-wise 4-bit codes of `weight` [N, K]: (codes [N, K] int32 in 0..15, scales and zeros
+    [N, K / group] float32, bf16-representable) with w ~ (code - 8) x scale + zero: each group's 16
+    levels span its min..max (the scale and zero rounded to bf16 first, then the codes chosen against
+    them, so the rounding costs no accuracy twice). Where a group is constant its scale is 0."""
     n, k = weight.shape
-    codes, scales = int4_codes(weight, group)
-    scales = scales.to(torch.bfloat16)
-    pairs = torch.stack((scales.t(), torch.zeros_like(scales.t())), dim=-1).contiguous()   # [K/g, N, 2]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1)
+    if k % group:
+        raise ValueError(f"int4 weights: {k} input columns are not a multiple of the group size {group}")
+    grouped = weight.to(torch.float32).view(n, k // group, group)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scales = ((high - low) / 15).to(torch.bfloat16).to(torch.float32)
+    zeros = (low + 8 * scales).to(torch.bfloat16).to(torch.float32)
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.clamp(torch.round((grouped - zeros[..., None]) / safe[..., None]) + 8, 0, 15)
+    return codes.to(torch.int32).view(n, k), scales, zeros
+
+
+def packed_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> QuantizedWeight:
+    """Codes [N, K] in 0..15 and (scale, zero) [N, K / group] -> torch's CPU int4 pack."""
+    n, k = codes.shape
+    pairs = torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()   # [K/g, N, 2]
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
     return QuantizedWeight("int4", packed, pairs, (n, k), group)
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP, symmetric: bool = False) -> QuantizedWeight:
+    # weight: [N, K] -> codes packed for torch's CPU int4 product, bf16 (scale, zero) per group
+    if symmetric:
+        codes, scales = int4_codes(weight, group)
+        return packed_int4(codes, scales, torch.zeros_like(scales), group)
+    return packed_int4(*int4_affine_codes(weight, group), group)
 
 
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
