@@ -14,17 +14,7 @@ from __future__ import annotations
 import json
 import sys
 
-
-def _x(value) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def _k_shares(histogram) -> str:
-    steps = sum(histogram or [])
-    used = [(k, n) for k, n in enumerate(histogram or []) if n]
-    if not steps or len(used) < 2:
-        return "-" if not used else str(used[0][0])
-    return " ".join(f"{k}:{n / steps:.0%}" for k, n in used)
+from specgen.bench.report import k_shares, times_text
 
 
 def markdown(report: dict) -> str:
@@ -53,8 +43,8 @@ def markdown(report: dict) -> str:
         warm = f"{r['warmup_seconds']:.0f}" + (" +" if r.get("shares_runner_of") else "")
         config = f"{r['config']} ({r['dtype']})" if r.get("dtype") else r["config"]
         lines.append(f"| {r['batch_size']} | {config} | {r['tokens_per_second']:,.1f} | "
-                     f"{_x(r.get('speedup_vs_ar'))} | {_x(r.get('speedup_vs_hf'))} | {length} | "
-                     f"{_k_shares(r.get('k_histogram'))} | {step} | {warm} |")
+                     f"{times_text(r.get('speedup_vs_ar'))} | {times_text(r.get('speedup_vs_hf'))} | {length} | "
+                     f"{k_shares(r.get('k_histogram'))} | {step} | {warm} |")
     return "\n".join(lines) + "\n"
 
 

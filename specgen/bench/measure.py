@@ -535,7 +535,7 @@ def memory_shortfall(recipe: Recipe | None, resolved, batch: int, options: Bench
     """Why a configuration's runner (None: hf's process) would not fit in what is free now, beside
     the `built` runners alive; None where it fits. The same estimate and margin as `specgen run`'s
     check (job.check_memory), less the target's weights for a specgen runner (loaded once, shared)."""
-    from specgen.job.memory import available_bytes, estimate_bytes
+    from specgen.job.memory import GIB, estimate_bytes, over_budget, parts_text, where_free
 
     whole = recipe is None
     if whole:           # transformers in a process of its own: the weights again, its cache, its work
@@ -548,12 +548,11 @@ def memory_shortfall(recipe: Recipe | None, resolved, batch: int, options: Bench
 
         gc.collect()                # the last batch size's runners, released: free, not held in cache
         torch.cuda.empty_cache()
-    need, have = sum(parts.values()), available_bytes(resolved.device)
-    if need <= 0.9 * have:
+    over = over_budget(parts, resolved.device)
+    if over is None:
         return None
-    gib = 1 << 30
-    detail = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items() if size >= gib / 100)
-    where = "free device memory" if resolved.device.type == "cuda" else "available RAM"
+    (need, have), gib = over, GIB
+    detail, where = parts_text(parts, smallest=GIB // 100), where_free(resolved.device)
     beside = f" beside the {built} runner{'s' if built != 1 else ''} of this batch size" if built else ""
     return (f"needs about {need / gib:.2f} GiB ({detail}) but {have / gib:.2f} GiB of {where} is left{beside}; "
             f"bench it with fewer configurations or a smaller batch size")

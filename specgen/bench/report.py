@@ -99,11 +99,12 @@ def write_json(report: BenchReport, path: Path, command: str) -> dict:
     return data
 
 
-def _x(value: float | None, digits: int = 2) -> str:
+def times_text(value: float | None, digits: int = 2) -> str:
+    """A ratio as a table shows it: "1.05x", or "-"."""
     return "-" if value is None else f"{value:.{digits}f}x"
 
 
-def _k_shares(histogram: list[int] | None) -> str:
+def k_shares(histogram: list[int] | None) -> str:
     """How often each k ran, when it varied (`auto`): "0:12% 1:80% 2:8%"."""
     steps = sum(histogram or [])
     used = [(k, n) for k, n in enumerate(histogram or []) if n]
@@ -131,12 +132,12 @@ def table(report: BenchReport) -> Table:
         if m.step_ratio is not None:
             step += f" ({m.step_ratio:.2f}x)"
         speed = ("skipped" if m.skipped else "failed") if m.error else f"{m.tokens_per_second:,.1f}"
-        t.add_row(str(m.batch_size), f"{m.config} ({m.dtype})" if m.dtype else m.config, speed, _x(m.speedup_vs_ar),
-                  _x(m.speedup_vs_hf),
+        t.add_row(str(m.batch_size), f"{m.config} ({m.dtype})" if m.dtype else m.config, speed, times_text(m.speedup_vs_ar),
+                  times_text(m.speedup_vs_hf),
                   "-" if d["mean_acceptance_length"] is None else f"{d['mean_acceptance_length']:.2f}",
                   "-" if d["draft_acceptance_rate"] is None else f"{d['draft_acceptance_rate']:.0%}",
                   "-" if not rates else " ".join("-" if r is None else f"{r:.0%}" for r in rates),
-                  _k_shares(d["k_histogram"]), step, split_text,
+                  k_shares(d["k_histogram"]), step, split_text,
                   f"{m.warmup_seconds:.0f}" + (" +" if m.shares_runner_of else ""))
     notes = [f"batch {m.batch_size}, {m.config} {'skipped' if m.skipped else 'failed'}: {m.error}"
              for m in report.measurements if m.error]

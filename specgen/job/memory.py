@@ -106,16 +106,36 @@ def available_bytes(device: torch.device) -> int:
     return 1 << 62
 
 
+# The share of what is free a run may plan to use (allocator slack, fragmentation, what the estimate
+# leaves out)
+MEMORY_MARGIN = 0.9
+GIB = 1 << 30
+
+
+def over_budget(parts: dict[str, int], device: torch.device, ranks_here: int = 1) -> tuple[int, int] | None:
+    """(bytes needed, bytes free) where `parts` do not fit in MEMORY_MARGIN of what is free on `device`
+    (on a CPU, this rank's share of the RAM among `ranks_here` ranks); None where they fit."""
+    need, have = sum(parts.values()), available_bytes(device)
+    if device.type == "cpu":
+        have //= max(1, ranks_here)
+    return (need, have) if need > MEMORY_MARGIN * have else None
+
+
+def parts_text(parts: dict[str, int], smallest: int = 0) -> str:
+    """"target weights 0.25 GiB, ..." for the parts of at least `smallest` bytes."""
+    return ", ".join(f"{name} {size / GIB:.2f} GiB" for name, size in parts.items() if size >= smallest)
+
+
+def where_free(device: torch.device) -> str:
+    return "free device memory" if device.type == "cuda" else "available RAM"
+
+
 def check_memory(recipe: Recipe, r: Resolved, ranks_here: int = 1) -> dict[str, int]:
     """`ranks_here`: processes of a torchrun job on this machine; on a CPU they share its RAM."""
     parts = estimate_bytes(recipe, r)
-    need, have = sum(parts.values()), available_bytes(r.device)
-    if r.device.type == "cpu":
-        have //= max(1, ranks_here)
-    if need > 0.9 * have:
-        gib = 1 << 30
-        detail = ", ".join(f"{name} {size / gib:.2f} GiB" for name, size in parts.items())
-        where = "free device memory" if r.device.type == "cuda" else "available RAM"
+    over = over_budget(parts, r.device, ranks_here)
+    if over is not None:
+        (need, have), gib, detail, where = over, GIB, parts_text(parts), where_free(r.device)
         raise JobError(
             f"this run needs about {need / gib:.2f} GiB ({detail}) but only {have / gib:.2f} GiB of "
             f"{where} is there. Lower runtime.batch_size (now {recipe.runtime.batch_size}) or "
