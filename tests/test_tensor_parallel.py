@@ -71,16 +71,20 @@ def targets(llama, tmp_path_factory):
     return {"llama": llama[2],
             # MLA heads, a dense layer, then MoE layers (8 experts, a shared one); FP8 weights
             "deepseek-v3": write_deepseek_checkpoint(root / "deepseek", tiny_deepseek_config(fp8=True)),
-            "kimi-k2.5": write_kimi_checkpoint(root / "kimi", tiny_kimi_config())}
+            # as released: routed experts packed INT4 in groups of 32 (64 rows each: a rank's half of
+            # an expert's down columns fills whole groups)
+            "kimi-k2.5": write_kimi_checkpoint(root / "kimi", tiny_kimi_config(int4=True, moe_intermediate_size=64))}
 
 
-SPLITS = {"llama": ["tp"], "deepseek-v3": ["tp", "ep", "tp+fp8", "ep+fp8"], "kimi-k2.5": ["tp", "ep"]}
+SPLITS = {"llama": ["tp"], "deepseek-v3": ["tp", "ep", "tp+fp8", "ep+fp8"],
+          "kimi-k2.5": ["tp", "ep", "tp+int4", "ep+int4"]}
 
 
 @pytest.mark.parametrize("target", list(SPLITS))
 def test_each_rank_computes_the_single_process_logits(targets, target, tmp_path):
     """Every split of each layout (`ep`: whole experts per rank; `+fp8`: the FP8 weights stay FP8,
-    target.fp8_weights: keep, and split with their scales)."""
+    target.fp8_weights: keep, and split with their scales; `+int4`: the packed INT4 experts stay
+    packed and split with their scales)."""
     folder, modes = targets[target], SPLITS[target]
     singles = sorted({"single" + m[2:] for m in modes})
     run([sys.executable, str(TESTS / "tp_worker.py"), str(folder), str(tmp_path), ",".join(singles)])
@@ -89,7 +93,9 @@ def test_each_rank_computes_the_single_process_logits(targets, target, tmp_path)
         single = torch.load(tmp_path / f"single{mode[2:]}.pt")
         ranks = [torch.load(tmp_path / f"{mode}-rank-{r}.pt") for r in range(2)]
         assert torch.equal(ranks[0], ranks[1]), mode        # every rank verifies the same logits
-        torch.testing.assert_close(ranks[0], single, rtol=1e-5, atol=1e-5, msg=mode)
+        # kept INT4: torch's CPU kernel rounds each rank's partial product to bf16 before the sum
+        tolerance = 2e-2 if mode.endswith("int4") else 1e-5
+        torch.testing.assert_close(ranks[0], single, rtol=tolerance, atol=tolerance, msg=mode)
         assert single.std() > 0.1
 
 

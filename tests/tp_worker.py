@@ -1,11 +1,12 @@
 """A tensor-parallel rank for tests/test_tensor_parallel.py, started by torchrun (spawned ranks).
 
 `tp_worker.py CHECKPOINT OUT_FOLDER MODES`: MODES is a comma-separated list of `tp`, `ep` (whole
-routed experts per rank), each optionally `+fp8` (block-FP8 weights kept as FP8). For each, every
+routed experts per rank), each optionally `+fp8` (block-FP8 weights kept as FP8) or `+int4` (packed
+INT4 routed experts kept packed). For each, every
 rank loads its slice of the target, runs one prefill and one decode step of 3 tokens per row over a
 fixed batch, and writes the float32 logits it computed to OUT_FOLDER/<mode>-rank-<r>.pt (every rank
 holds the whole logits: they must all agree). Without torchrun (`single`, `single+fp8`) it runs the
-whole target in this one process and writes OUT_FOLDER/<mode>.pt. One process serves every mode: the
+whole target in this one process and writes OUT_FOLDER/<mode>.pt (`single+fp8`, `single+int4`). One process serves every mode: the
 imports and the process group are paid once.
 
 `tp_worker.py oracle-job RECIPE PROMPTS OUTPUT PLAIN`: this rank's part of `specgen run RECIPE` (the
@@ -90,14 +91,14 @@ def main() -> None:
     if distributed:
         dist.init_process_group("gloo")
     for mode in modes:
-        split, _, fp8 = mode.partition("+")
-        keep = fp8 == "fp8"
+        split, _, kept = mode.partition("+")
+        keep = {"keep_fp8": kept == "fp8", "keep_int4": kept == "int4"}
         if not distributed:
-            model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False, keep_fp8=keep)
+            model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False, **keep)
             torch.save(forward_twice(model, model.vocab_size), out / f"{mode}.pt")
             continue
         tp = TensorParallel(dist.get_rank(), dist.get_world_size(), dist.group.WORLD, expert_parallel=split == "ep")
-        model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False, tp=tp, keep_fp8=keep)
+        model = load_target(config, folder, dtype=torch.float32, device="cpu", dummy=False, tp=tp, **keep)
         torch.save(forward_twice(model, model.vocab_size), out / f"{mode}-rank-{tp.rank}.pt")
     if distributed:
         dist.barrier()      # as World.stop does: no rank tears the group down under a peer's collective

@@ -166,7 +166,7 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
     from specgen.checkpoints.loading import load_target
     from specgen.checkpoints.tokenizer import load_tokenizer
     from specgen.job import JobError, build_runner, resolve
-    from specgen.job.resolved import kept_quantization
+    from specgen.job.resolved import keeps_fp8, keeps_int4, kept_quantization
     from specgen.models.quantized import quantize_target
 
     status = on_status or (lambda line: None)
@@ -183,9 +183,12 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
         # every draft checkpoint is found and checked (dry) before any model loads, once
         found = [resolve(recipe) for recipe in recipes]
         target = load_target(resolved.target_config, resolved.target_folder, dtype=resolved.dtype,
-                             device=resolved.device, dummy=base.target.load_format == "dummy")
-        if kept_quantization(base) is not None:         # once, for every runner that shares it
-            quantize_target(target, kept_quantization(base))
+                             device=resolved.device, dummy=base.target.load_format == "dummy",
+                             keep_fp8=keeps_fp8(base, resolved.device),
+                             keep_int4=keeps_int4(base, resolved.target_config, resolved.device))
+        quantization = kept_quantization(base, resolved.target_config)
+        if quantization is not None:         # once, for every runner that shares it
+            quantize_target(target, quantization)
         tokenizer = load_tokenizer(resolved.target_folder, target.vocab_size)
     except JobError as err:
         raise BenchError(str(err), getattr(err, "exit_code", 1)) from err

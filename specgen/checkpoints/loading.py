@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specgen.checkpoints.headers import ShapeMismatch, checkpoint_headers
-from specgen.checkpoints.quantized import quantization_of
+from specgen.checkpoints.quantized import ROUTED_EXPERT, quantization_of
 from specgen.checkpoints.store import CheckpointError, weight_files
 from specgen.checkpoints.weights import read_tensor_headers, read_tensors, tensor_names
 from specgen.drafts.precision import target_for_draft
@@ -36,6 +36,7 @@ from specgen.models.decoder import beyond_last_layer
 from specgen.kernels import block_fp8
 from specgen.models.fp8_layers import with_fp8_layers
 from specgen.models.materialise import build
+from specgen.models.moe import int4_experts_for_cpu, keep_int4_experts
 from specgen.models.tensor_parallel import TensorParallel, rank_shape
 from specgen.registry import DRAFT_METHODS, UnsupportedError, architecture_name, target_architecture
 
@@ -56,9 +57,11 @@ def target_config(config: dict, where: str = "config.json"):
 
 def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device, dummy: bool,
                 seed: int = 0, dry: bool = False, tp: TensorParallel = TensorParallel(),
-                keep_fp8: bool = False):
+                keep_fp8: bool = False, keep_int4: bool = False):
     """`tp`: build this rank's slice of a tensor-parallel target (models/tensor_parallel.py).
-    `keep_fp8`: block-FP8 weights stay FP8, multiplied block-scaled (models/fp8_layers.py)."""
+    `keep_fp8`: block-FP8 weights stay FP8, multiplied block-scaled (models/fp8_layers.py).
+    `keep_int4`: packed INT4 routed experts stay packed (kernels/int4_experts.py; on a CPU repacked
+    once for torch's int4 kernel)."""
     where = str(folder / "config.json") if folder else "config.json"
     builder = target_builder(config, where)
     cfg = target_config(config, where)
@@ -66,10 +69,12 @@ def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device
         check_tensor_parallel(config, tp.size, where)
     quantization = quantization_of(config, where)
     keep_fp8 = keep_fp8 and quantization is not None and quantization.fp8_block is not None
+    keep_int4 = keep_int4 and quantization is not None and quantization.int4_group is not None
+    if keep_fp8 or keep_int4:
+        quantization = replace(quantization, keep_fp8=keep_fp8, keep_int4=keep_int4)
     state = None
     if not dummy:
-        tensors = _read(folder, dry, device=device, dtype=dtype, reads=builder.reads,
-                        quantization=replace(quantization, keep_fp8=True) if keep_fp8 else quantization)
+        tensors = _read(folder, dry, device=device, dtype=dtype, reads=builder.reads, quantization=quantization)
         state = _converted(lambda: builder.convert_state_dict(tensors, cfg), folder)
         if tp.active:
             state = _converted(lambda: builder.shard_state(state, cfg, tp), folder)
@@ -77,7 +82,12 @@ def load_target(config: dict, folder: Path | None, *, dtype: torch.dtype, device
     if keep_fp8:
         make_plain = make
         make = lambda: _converted(lambda: with_fp8_layers(make_plain(), state), folder)  # noqa: E731
+    if keep_int4:
+        make_dense = make
+        make = lambda: keep_int4_experts(make_dense(), state, quantization.int4_group)  # noqa: E731
     model = build(make, state, dtype=dtype, device=device, seed=seed, where=str(folder))
+    if keep_int4 and torch.device(device).type == "cpu":
+        int4_experts_for_cpu(model)
     if keep_fp8:
         # the scaled_mm probe copies to the host and syncs: run it now, never first inside a CUDA
         # graph capture (the first compiled step's), which it would break (GPU_NOTES 6)
@@ -107,6 +117,28 @@ def kept_fp8_elements(config: dict, folder: Path | None) -> tuple[int, int]:
         weights += math.prod(headers[base].shape)
         scales += math.prod(header.shape)
     return weights, scales
+
+
+def kept_int4_parts(config: dict, folder: Path | None) -> tuple[int, int, int]:
+    """(parameters of the packed INT4 routed experts a target keeps packed, the bytes of their words,
+    the bytes of their scales as published), from the checkpoint's headers; zeros for any other."""
+    quantization = quantization_of(config, "config.json")
+    if folder is None or quantization is None or quantization.int4_group is None \
+            or not any(folder.glob("*.safetensors")):
+        return 0, 0, 0
+    builder = target_builder(config)
+    layers = target_config(config).num_layers
+    headers = checkpoint_headers(folder)
+    parameters = words = scales = 0
+    for name, header in headers.items():
+        if not name.endswith(".weight_packed") or not builder.reads(name) or beyond_last_layer(name, layers) \
+                or not ROUTED_EXPERT.search(name):
+            continue
+        scale = headers.get(name.removesuffix("_packed") + "_scale")
+        parameters += math.prod(header.shape) * 8
+        words += math.prod(header.shape) * 4
+        scales += math.prod(scale.shape) * scale.dtype.itemsize if scale is not None else 0
+    return parameters, words, scales
 
 
 def check_tensor_parallel(config: dict, size: int, where: str = "config.json") -> None:

@@ -12,8 +12,10 @@ Contract:
   first, stored as value + 8; `X.weight_scale [O, ceil(I / g)]` per group of g inputs;
   `X.weight_shape [2]` = [O, I]. Real value = (stored - 8) x scale.
 - With `Quantization.keep_fp8`, block FP8 weights stay as stored (`X.weight` e4m3 beside
-  `X.weight_scale_inv` float32) for GEMMs that multiply FP8 (kernels/block_fp8.py); INT4 is still
-  dequantised.
+  `X.weight_scale_inv` float32) for GEMMs that multiply FP8 (kernels/block_fp8.py).
+- With `Quantization.keep_int4`, packed INT4 routed experts (`...experts.{e}.X.weight_packed`) stay
+  packed: `X.weight_packed` and `X.weight_scale` as stored (kernels/int4_experts.py multiplies them),
+  `X.weight_shape` checked against the packing and dropped. Other packed weights are dequantised.
 - `dequantize_state(state, quantization, dtype=, where=)` replaces every such group of tensors by the
   dequantised `X.weight` in the run's dtype, in place; leftovers (a scale without its weight, FP8 or
   packed tensors without scales) are a `CheckpointError` naming the tensor. Given `TensorHeader`s
@@ -24,6 +26,7 @@ Contract:
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +38,7 @@ FP8_SCALE = "weight_scale_inv"
 INT4_PACKED, INT4_SCALE, INT4_SHAPE = "weight_packed", "weight_scale", "weight_shape"
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 QUANTIZED_SUFFIXES = (FP8_SCALE, INT4_PACKED, INT4_SCALE, INT4_SHAPE)
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")      # whose packed INT4 weights `keep_int4` keeps
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,7 @@ class Quantization:
     fp8_block: tuple[int, int] | None = None    # block FP8: the block shape
     int4_group: int | None = None               # packed INT4: inputs per scale
     keep_fp8: bool = False                      # block FP8 stays FP8, beside its scales (kernels/block_fp8.py)
+    keep_int4: bool = False                     # packed INT4 routed experts stay packed (kernels/int4_experts.py)
 
 
 def quantization_of(config: dict, where: str) -> Quantization | None:
@@ -119,6 +124,10 @@ def dequantize_state(state: dict[str, torch.Tensor], quantization: Quantization 
                                                  q.fp8_block))
     for key in [k for k in state if k.endswith(INT4_PACKED)]:
         base = key[: -len(INT4_PACKED)]
+        if q.keep_int4 and ROUTED_EXPERT.search(base):
+            _check_int4_kept(state, key, base, where, q.int4_group)
+            kept |= {key, base + INT4_SCALE}
+            continue
         _dequantize(state, base, where, dtype,
                     lambda: _dequantize_int4(state, key, base, where, q.int4_group))
     left = [k for k, v in state.items() if is_quantized_part(k, v) and k not in kept]
@@ -134,6 +143,23 @@ def _check_fp8_block(weight, scale, block: tuple[int, int] | None, where: str, b
     if bo != bi or tuple(scale.shape) != (math.ceil(rows / bo), math.ceil(cols / bi)):
         raise CheckpointError(f"{where}: {base}weight: scale shape {list(scale.shape)} does not tile a "
                               f"{rows}x{cols} weight in square blocks ({bo}x{bi}), which FP8 GEMMs need")
+
+
+def _check_int4_kept(state: dict, key: str, base: str, where: str, group: int | None) -> None:
+    """A packed weight kept as it is must be whole words and whole groups (what the products read);
+    its `weight_shape` is then implied by the packing, and dropped."""
+    packed = state[key]
+    scale = _take(state, base + INT4_SCALE, key, where)
+    shape = _take(state, base + INT4_SHAPE, key, where)
+    rows, cols = packed.shape[0], packed.shape[1] * 8
+    if not isinstance(shape, TensorHeader) and [int(s) for s in shape.tolist()] != [rows, cols]:
+        raise CheckpointError(f"{where}: {base}weight: weight_shape {shape.tolist()} is not the whole words of its "
+                              f"packing ({rows} x {cols}); set target.quantization: none to dequantise it")
+    group = group or cols // scale.shape[1]
+    if cols % group or tuple(scale.shape) != (rows, cols // group):
+        raise CheckpointError(f"{where}: {base}weight: scale shape {list(scale.shape)} does not match groups of "
+                              f"{group} over {cols} inputs")
+    state[base + INT4_SCALE] = scale
 
 
 def _dequantize_int4(state: dict, key: str, base: str, where: str, group: int | None):

@@ -23,7 +23,7 @@ from specgen.drafts.forced import JUMP_FORWARD_K
 from specgen.drafts.suffix import SuffixProposer
 from specgen.job.errors import InputError
 from specgen.job.resolved import (
-    DTYPES, Resolved, auto_dtype, draft_dtype, draft_inside_a_dummy_target, keeps_fp8, kept_quantization,
+    DTYPES, Resolved, auto_dtype, draft_dtype, draft_inside_a_dummy_target, keeps_fp8, keeps_int4, kept_quantization,
     read_suffix_history)
 from specgen.machine import choose_threads, cpu_has_amx, cpu_has_avx512, cpu_has_bf16
 from specgen.models.quantized import quantize_target
@@ -99,9 +99,10 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
     dummy_target = recipe.target.load_format == "dummy"
     if target is None:
         target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
-                             dummy=dummy_target, tp=tp, keep_fp8=keeps_fp8(recipe, r.device))
-        if kept_quantization(recipe) is not None:
-            quantize_target(target, kept_quantization(recipe))
+                             dummy=dummy_target, tp=tp, keep_fp8=keeps_fp8(recipe, r.device),
+                             keep_int4=keeps_int4(recipe, r.target_config, r.device))
+        if kept_quantization(recipe, r.target_config) is not None:
+            quantize_target(target, kept_quantization(recipe, r.target_config))
     if dummy_target:
         notes.append("target.load_format is dummy: random weights, the output text is meaningless "
                      "(for measuring speed only)")
@@ -207,8 +208,10 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                   " (auto: AVX-512, bf16 converted in registers)" if dtype == "bfloat16" else
                   " (auto: eager steps, where bf16 converts on this CPU)" if cpu_has_avx512() else
                   " (auto: no AVX-512 on this CPU)")
-    if kept_quantization(recipe) is not None:
-        dtype += f", {kept_quantization(recipe)} weights (target.quantization)"
+    if kept_quantization(recipe, r.target_config) is not None:
+        dtype += f", {kept_quantization(recipe, r.target_config)} weights (target.quantization)"
+    elif keeps_int4(recipe, r.target_config, r.device):
+        dtype += ", routed experts INT4 as published"
     if draft is not None and r.draft_dtype != r.dtype:
         dtype += f", draft {str(r.draft_dtype).removeprefix('torch.')}"
     runner.header = (f"{device}, {dtype}, "

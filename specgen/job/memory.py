@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from specgen.checkpoints.loading import draft_tensor_names, kept_fp8_elements, target_config
+from specgen.checkpoints.loading import draft_tensor_names, kept_fp8_elements, kept_int4_parts, target_config
 from specgen.job.errors import JobError
-from specgen.job.resolved import Resolved, keeps_fp8, kept_quantization, planned_tensor_parallel
+from specgen.job.resolved import Resolved, keeps_fp8, keeps_int4, kept_quantization, planned_tensor_parallel
 from specgen.models.tensor_parallel import rank_shape
 from specgen.recipe import Recipe
 from specgen.registry import DRAFT_METHODS
@@ -40,6 +40,13 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     # split over ranks like the rest (the few whole on every rank, MLA's q_a / kv_a, are not counted)
     fp8, fp8_scales = fp8 // recipe.runtime.tensor_parallel_size, fp8_scales // recipe.runtime.tensor_parallel_size
     item = torch.empty((), dtype=r.dtype).element_size()
+    # packed INT4 experts kept packed: their words and scales (a CPU repacks the scales beside a zero
+    # each: torch's int4 layout), in place of dense weights; split evenly like the experts themselves
+    kept_int4 = 0
+    if keeps_int4(recipe, r.target_config, r.device):
+        int4, words, int4_scales = kept_int4_parts(r.target_config, r.target_folder)
+        kept_int4 = (int4 * item - words - int4_scales * (2 if r.device.type == "cpu" else 1)) \
+            // recipe.runtime.tensor_parallel_size
     b, k, dcfg = recipe.runtime.batch_size, 0, None
     if recipe.draft.has_model:
         dcfg = draft_config(recipe, r, cfg)
@@ -53,8 +60,8 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     filters = s.temperature > 0 and (s.top_p < 1 or s.top_k > 0)
     relaxed = s.relaxed_acceptance is not None and k > 0
     parts = {
-        "target weights": kept_quantized_bytes(recipe, shard, item) if kept_quantization(recipe) else
-        shard.num_parameters() * item - fp8 * (item - 1) + fp8_scales * 4,
+        "target weights": kept_quantized_bytes(recipe, r, shard, item) if kept_quantization(recipe, r.target_config)
+        else shard.num_parameters() * item - fp8 * (item - 1) + fp8_scales * 4 - kept_int4,
         "target KV cache": shard.cache_bytes_per_token(r.dtype) * b * seq,
         # fp32 logits, processed log-probs, noise scores; top-k / top-p: probabilities, keys, masks;
         # relaxed acceptance: probabilities and a comparison
@@ -81,7 +88,7 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
 
 
 
-def kept_quantized_bytes(recipe: Recipe, shape, item: int) -> int:
+def kept_quantized_bytes(recipe: Recipe, r: Resolved, shape, item: int) -> int:
     """The target's weights with `target.quantization` kept (models/quantized.quantize_target): the
     layers and the head as codes and scales; the embedding dense in the run's dtype, and the head's
     dense weight beside its codes (the embedding itself where they are tied). `item`: bytes of the
@@ -91,7 +98,7 @@ def kept_quantized_bytes(recipe: Recipe, shape, item: int) -> int:
     quantized = shape.num_parameters() - dense + embedding          # the layers, and the head's codes
     # int4: half a byte and a bf16 (scale, zero) pair per 32 weights; int8: a byte and a bf16 scale per
     # row (of about hidden_size weights)
-    per_weight = 0.5 + 4 / 32 if kept_quantization(recipe) == "int4" else 1 + 2 / shape.hidden_size
+    per_weight = 0.5 + 4 / 32 if kept_quantization(recipe, r.target_config) == "int4" else 1 + 2 / shape.hidden_size
     return int(dense * item + quantized * per_weight)
 
 

@@ -19,10 +19,12 @@ import torch
 
 from specgen.checkpoints.headers import without_gc
 from specgen.checkpoints.loading import has_draft_layers, load_draft, load_target, target_config
+from specgen.checkpoints.quantized import quantization_of
 from specgen.checkpoints.store import CheckpointError, read_config, resolve_checkpoint
 from specgen.data import ResultsFileError, read_answer_ids
 from specgen.job.errors import InputError
 from specgen.kernels.block_fp8 import fp8_gemm_supported
+from specgen.kernels.int4_experts import int4_kernel_supported
 from specgen.machine import cpu_has_amx, cpu_has_avx512, cpu_has_bf16
 from specgen.models.tensor_parallel import TensorParallel
 from specgen.recipe import Recipe
@@ -72,7 +74,7 @@ def resolve(recipe: Recipe) -> Resolved:
                 draft_folder, draft_cfg = draft_checkpoint(recipe, folder, config)
     except (CheckpointError, UnsupportedError, ValueError) as err:
         raise InputError(str(err)) from err
-    check_quantization(recipe, device, architecture_name(config))
+    check_quantization(recipe, device, config)
     dtype = DTYPES[dtype_name]
     resolved = Resolved(device, dtype, folder, config, draft_folder, draft_cfg,
                         draft_dtype(recipe.draft.dtype, dtype, device))
@@ -82,27 +84,52 @@ def resolve(recipe: Recipe) -> Resolved:
 
 
 # The targets whose products `target.quantization` keeps quantized (models/quantized.quantize_target:
-# every nn.Linear of the layers, and the head); MoE experts are stacked tensors, not yet
+# every nn.Linear of the layers, and the head); MoE experts are stacked tensors, kept quantized only as
+# a checkpoint publishes them (`keeps_int4`)
 QUANTIZABLE_TARGETS = ("LlamaForCausalLM",)
 
 
-def kept_quantization(recipe: Recipe) -> str | None:
-    """The weight-only quantization the run keeps ("int8" / "int4"), or None (auto: the checkpoint's
-    own, which is dequantised on load today, else none)."""
+def published_int4(config: dict) -> bool:
+    """Whether the checkpoint publishes packed INT4 weights (Kimi K2.5's routed experts)."""
+    try:
+        quantization = quantization_of(config, "config.json")
+    except CheckpointError:
+        return False
+    return quantization is not None and quantization.int4_group is not None
+
+
+def keeps_int4(recipe: Recipe, config: dict, device: torch.device) -> bool:
+    """Whether a checkpoint's packed INT4 routed experts stay packed (kernels/int4_experts.py): auto
+    keeps them where a kernel multiplies them (a CPU: torch's int4 kernel; a CUDA GPU with Triton),
+    int4 keeps them anywhere, none dequantises them on load."""
+    setting = recipe.target.quantization
+    if not published_int4(config) or setting in ("none", "int8"):
+        return False
+    return setting == "int4" or device.type == "cpu" or int4_kernel_supported(device)
+
+
+def kept_quantization(recipe: Recipe, config: dict) -> str | None:
+    """The weight-only quantization the run applies on load ("int8" / "int4"), or None: auto (a
+    checkpoint's own quantization, as `keeps_int4` and `keeps_fp8` say, else none), none, and int4 on
+    a checkpoint that publishes INT4 already (its experts are kept as published; the rest stays dense)."""
     kind = recipe.target.quantization
-    return kind if kind in ("int8", "int4") else None
+    if kind not in ("int8", "int4") or (kind == "int4" and published_int4(config)):
+        return None
+    return kind
 
 
-def check_quantization(recipe: Recipe, device: torch.device, architecture: str) -> None:
-    """What `target.quantization` can run on (InputError naming the field otherwise): CPU, one
-    process, a target of the Llama family."""
-    kind = kept_quantization(recipe)
+def check_quantization(recipe: Recipe, device: torch.device, config: dict) -> None:
+    """What `target.quantization` can run on (InputError naming the field otherwise): quantized on
+    load on CPU, in one process, for a target of the Llama family; a published INT4 checkpoint's
+    experts anywhere."""
+    kind = kept_quantization(recipe, config)
     if kind is None:
         return
     where = f"recipe.target.quantization: {kind}"
     if device.type != "cpu":
-        raise InputError(f"{where} runs on CPU for now (the GPU's W4A16 kernel is not built yet); "
-                         "set runtime.device: cpu or target.quantization: none")
+        raise InputError(f"{where}: quantizing on load runs on CPU for now (a GPU keeps only a checkpoint's "
+                         "published INT4 experts); set runtime.device: cpu or target.quantization: none")
+    architecture = architecture_name(config)
     if architecture not in QUANTIZABLE_TARGETS:
         raise InputError(f"{where}: not yet for {architecture} (supported: {', '.join(QUANTIZABLE_TARGETS)})")
     if recipe.runtime.tensor_parallel_size > 1:
@@ -158,7 +185,8 @@ def check_checkpoints(recipe: Recipe, r: Resolved) -> None:
         with without_gc():
             target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device="meta",
                                  dummy=dummy, dry=not dummy, tp=planned_tensor_parallel(recipe),
-                                 keep_fp8=keeps_fp8(recipe, r.device))
+                                 keep_fp8=keeps_fp8(recipe, r.device),
+                                 keep_int4=keeps_int4(recipe, r.target_config, r.device))
             if recipe.draft.enabled and r.draft_config is not None and recipe.draft.load_format != "dummy":
                 load_draft(recipe.draft.model_method, r.draft_config, r.draft_folder, target,
                            num_speculative_tokens=recipe.draft.k_max, dtype=r.draft_dtype,

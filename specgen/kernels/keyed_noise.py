@@ -209,10 +209,14 @@ def jit_device_functions() -> None:
     _jitted = True
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 def should_jit_at_import() -> bool:
     """True when decorating now picks the right backend: CUDA present or the interpreter requested."""
-    interpret = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    return triton is not None and (interpret or torch.cuda.is_available())
+    return triton is not None and (interpreting() or torch.cuda.is_available())
 
 
 if should_jit_at_import():

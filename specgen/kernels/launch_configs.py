@@ -70,6 +70,11 @@ BLOCK_FP8_GEMM = Launch({"BLOCK_M": 32, "BLOCK_N": 64}, num_warps=8, num_stages=
 BLOCK_FP8_PAIRS = Launch({"BLOCK_N": 32}, num_warps=8, num_stages=2)
 BLOCK_FP8_GROUPED = Launch({"BLOCK_M": 32, "BLOCK_N": 64, "DOT_K": 64}, num_warps=8, num_stages=2)
 
+# Packed-INT4 routed experts (kernels/int4_experts.py; bf16 tensor cores, so sm_80 and sm_90): one
+# kernel at every batch size, BLOCK_M pairs of one expert a program (16: the smallest tl.dot takes,
+# since a decode step's blocks mostly hold one pair).
+INT4_GROUPED = Launch({"BLOCK_M": 16, "BLOCK_N": 64}, num_warps=4, num_stages=2)
+
 
 def padded_head_dim(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())

@@ -113,12 +113,13 @@ def launch_cases() -> list[LaunchCase]:
     """One case per configuration the launch code can choose: every entry of launch_configs.py, at every
     element type it serves and the head widths real checkpoints have (64: SmolLM2, Llama-3.2-1B; 128:
     Llama-3 8B/70B, DFlash drafts; 192: DeepSeek-V3's q/k heads; MLA's 512 + 64 latent entries)."""
-    from . import attention, block_fp8, latent_attention, launch_configs, rejection
+    from . import attention, block_fp8, int4_experts, latent_attention, launch_configs, rejection
     from .keyed_noise import STREAM_SALT, ACCEPT, RESIDUAL, TARGET
     attention.jit_kernels()
     latent_attention.jit_kernels()
     rejection.jit_kernels()
     block_fp8.jit_kernels()
+    int4_experts.jit_kernels()
     cases = []
     widths = {64: (64,), 128: (128,), 256: (192, 256)}
     for (size, padded), launch in sorted(launch_configs.ATTENTION.items()):
@@ -194,6 +195,14 @@ def launch_cases() -> list[LaunchCase]:
         cases.append(LaunchCase(f"block-FP8 grouped -> {out}", block_fp8._block_fp8_grouped_kernel, signature,
                                 {"BLOCK_K": block_fp8.BLOCK, **grouped.tiles}, grouped.num_warps,
                                 grouped.num_stages, archs=(90,)))
+    int4 = launch_configs.INT4_GROUPED
+    for out in ("bf16", "fp32"):
+        signature = {"x_ptr": "*bf16", "rows_ptr": "*i64", "block_expert_ptr": "*i64", "w_ptr": "*i32",
+                     "s_ptr": "*bf16", "out_ptr": "*" + out,
+                     **_ints("N K KG stride_xm stride_we stride_wn stride_se stride_sn stride_om"),
+                     **_constexprs(["GROUP", "FLOAT32_DOT", *int4.tiles])}
+        cases.append(LaunchCase(f"INT4 experts grouped -> {out}", int4_experts._int4_grouped_kernel, signature,
+                                {"GROUP": 32, "FLOAT32_DOT": False, **int4.tiles}, int4.num_warps, int4.num_stages))
     return cases
 
 

@@ -37,6 +37,7 @@ from specgen.models.mla import LatentAttention, LatentCache, MlaDims
 from specgen.models.moe import MoE, MoeConfig, stack_expert_keys
 from specgen.models.products import Linear
 from specgen.models.protocol import TargetBuilder, TargetShape
+from specgen.models.tensor_header import ShapeMismatch
 from specgen.models.tensor_parallel import (
     TensorParallel,
     rank_shape,
@@ -227,7 +228,9 @@ def shard_state(state: dict[str, torch.Tensor], cfg: DeepseekV3Config, tp: Tenso
             shard_gated_mlp(state, mlp, cfg.intermediate_size, tp)
             continue
         gate_up, down = mlp + "experts.gate_up_proj", mlp + "experts.down_proj"
-        if tp.expert_parallel:
+        if gate_up + "_packed" in state:
+            shard_int4_experts(state, gate_up, down, m.moe_intermediate_size, tp)
+        elif tp.expert_parallel:
             split_block(state, gate_up, tp, dim=0)
             split_block(state, down, tp, dim=0)
         else:   # [E, 2I, H] and [E, H, I]: each expert's gate and up rows, and its down columns
@@ -236,6 +239,28 @@ def shard_state(state: dict[str, torch.Tensor], cfg: DeepseekV3Config, tp: Tenso
         if m.n_shared_experts:
             shard_gated_mlp(state, mlp + "shared_experts.", m.moe_intermediate_size * m.n_shared_experts, tp)
     return state
+
+
+def shard_int4_experts(state: dict, gate_up: str, down: str, intermediate: int, tp: TensorParallel) -> None:
+    """Packed INT4 expert stacks (kernels/int4_experts.py) cut with their scales, in place: whole
+    experts per rank (expert parallel), or each expert's gate and up rows (words and scales alike:
+    rows are rows) and its down columns, which are packed words (8 inputs) and scale groups (g
+    inputs): a rank's share of the intermediate size must fill whole groups."""
+    if tp.expert_parallel:
+        for key in (gate_up, down):
+            split_block(state, key + "_packed", tp, dim=0)
+            split_block(state, key + "_scale", tp, dim=0)
+        return
+    for part in ("_packed", "_scale"):
+        split_rows(state, gate_up + part, [intermediate] * 2, tp, dim=1)
+    words, groups = state[down + "_packed"].shape[2], state[down + "_scale"].shape[2]
+    group = intermediate // groups
+    if (intermediate // tp.size) % group or groups % tp.size or words % tp.size:
+        raise ShapeMismatch(f"runtime.tensor_parallel_size {tp.size} cuts {down} ({intermediate} inputs) inside "
+                            f"its {group}-wide INT4 groups; set runtime.expert_parallel: true, or "
+                            "target.quantization: none to dequantise the experts")
+    split_block(state, down + "_packed", tp, dim=2)
+    split_block(state, down + "_scale", tp, dim=2)
 
 
 ARCHITECTURE = TargetBuilder(DeepseekV3Config, DeepseekV3ForCausalLM, convert_hf_state_dict, shard_state=shard_state)

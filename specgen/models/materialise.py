@@ -26,6 +26,8 @@ from specgen.models.tensor_header import is_header_state
 FLOAT32_TENSORS = ("e_score_correction_bias",)
 # Block-FP8 weights kept as FP8 (kernels/block_fp8.py): the weights stay FP8, their scales float32.
 FP8_SCALE_SUFFIX = "scale_inv"
+# Packed INT4 routed experts kept packed (kernels/int4_experts.py): words int32, scales as published.
+INT4_SCALE_SUFFIX = "_proj_scale"
 
 
 def keeps_float32(name: str) -> bool:
@@ -118,7 +120,8 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], *, dtype: torch
     def placed(key: str, t: torch.Tensor) -> torch.Tensor:
         if id(t) not in cast:
             target = torch.float32 if keeps_float32(key) else dtype
-            keep = not t.is_floating_point() or t.dtype == torch.float8_e4m3fn    # FP8 weights stay FP8
+            # FP8 weights stay FP8; kept INT4 experts' scales stay as published
+            keep = not t.is_floating_point() or t.dtype == torch.float8_e4m3fn or key.endswith(INT4_SCALE_SUFFIX)
             cast[id(t)] = t.to(device) if keep else t.to(device=device, dtype=target)
         return cast[id(t)]
 

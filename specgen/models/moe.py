@@ -13,6 +13,8 @@ synchronisation, so it runs inside the compiled step:
   reads each chosen expert's weights once) when the dtype is bfloat16; otherwise (float32 tests,
   whose compiled grouped GEMM torch does not provide) each pair multiplies its gathered expert
   weights in one batched matmul. The shapes depend on tokens x top-k only, never on the routing.
+  Kept block-FP8 stacks (`keep_fp8`) and packed INT4 ones as Kimi K2.5 publishes them (`keep_int4`:
+  kernels/int4_experts.py, one opaque op over the pairs) multiply as stored.
 - shared experts: a plain gated MLP over every token, added to the routed output.
 """
 
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specgen.kernels import int4_experts     # also registers specgen::int4_pairs
 from specgen.models.layers import GatedMLP, fuse_rows, fuse_scale_rows
 from specgen.models.products import project
 
@@ -136,6 +139,7 @@ class RoutedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(e, h, i))
         self.first_expert = cfg.first_expert if cfg.expert_parallel else None
         self.fp8_block: int | None = None
+        self.int4_group: int | None = None
 
     def keep_fp8(self, block: int) -> None:
         """Hold the stacks as block-FP8 weights with their float32 scales (models/fp8_layers.py):
@@ -149,15 +153,46 @@ class RoutedExperts(nn.Module):
         self.down_proj_scale_inv = nn.Parameter(torch.empty(e, blocks(h), blocks(i)), requires_grad=False)
         self.fp8_block = block
 
+    def keep_int4(self, group: int) -> None:
+        """Hold the stacks as packed INT4 words with their scales, as the checkpoint publishes them
+        (kernels/int4_experts.py): `gate_up_proj_packed [E, 2I, H / 8]` int32, `gate_up_proj_scale
+        [E, 2I, H / g]`, `down_proj_packed [E, H, I / 8]`, `down_proj_scale [E, H, I / g]`. Built on the
+        meta device, before the state loads."""
+        e, two_i, h = self.gate_up_proj.shape
+        i = self.down_proj.shape[2]
+        del self.gate_up_proj, self.down_proj
+        def held(*shape, dtype=torch.bfloat16) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.gate_up_proj_packed = held(e, two_i, h // 8, dtype=torch.int32)
+        self.gate_up_proj_scale = held(e, two_i, h // group)
+        self.down_proj_packed = held(e, h, i // 8, dtype=torch.int32)
+        self.down_proj_scale = held(e, h, i // group)
+        self.int4_group = group
+
+    def int4_for_cpu(self) -> None:
+        """Repack the loaded INT4 stacks for torch's CPU kernel (kernels/int4_experts.cpu_layout)."""
+        for name in ("gate_up_proj", "down_proj"):
+            codes, pairs = int4_experts.cpu_layout(getattr(self, name + "_packed"), getattr(self, name + "_scale"))
+            setattr(self, name + "_packed", nn.Parameter(codes, requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(pairs, requires_grad=False))
+
+    @property
+    def num_local_experts(self) -> int:
+        stack = self.gate_up_proj_packed if self.int4_group is not None else self.gate_up_proj
+        return stack.shape[0]
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         # x: [N, H]; weights, experts: [N, k] -> [N, H]
         if self.first_expert is not None:
             # expert parallel: pairs routed to another rank's experts weigh 0 here (computed through
             # an expert of this rank, so the shapes stay those of the routing, never of its data)
             local = experts - self.first_expert
-            mine = (local >= 0) & (local < self.gate_up_proj.shape[0])
-            experts = local.clamp(0, self.gate_up_proj.shape[0] - 1)
+            mine = (local >= 0) & (local < self.num_local_experts)
+            experts = local.clamp(0, self.num_local_experts - 1)
             weights = weights * mine
+        if self.int4_group is not None:
+            return self._int4_pairs(x, weights, experts)
         if self.fp8_block is not None:
             return self._fp8_pairs(x, weights, experts)
         if x.dtype == torch.bfloat16:
@@ -190,6 +225,16 @@ class RoutedExperts(nn.Module):
         pairs = torch.ops.specgen.block_fp8_pairs
         gate, up = pairs(rows, flat, self.gate_up_proj, self.gate_up_proj_scale_inv, self.fp8_block).chunk(2, dim=-1)
         out = pairs(F.silu(gate) * up, flat, self.down_proj, self.down_proj_scale_inv, self.fp8_block)
+        return (out.view(n, k, -1) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
+
+    def _int4_pairs(self, x, weights, experts):
+        # every (token, expert) pair through its expert's packed INT4 weights (kernels/int4_experts.py)
+        n, k = experts.shape
+        flat = experts.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0)                                          # [N k, H]
+        pairs, group = torch.ops.specgen.int4_pairs, self.int4_group
+        gate, up = pairs(rows, flat, self.gate_up_proj_packed, self.gate_up_proj_scale, group).chunk(2, dim=-1)
+        out = pairs(F.silu(gate) * up, flat, self.down_proj_packed, self.down_proj_scale, group)
         return (out.view(n, k, -1) * weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
     def _gathered(self, x, weights, experts):
@@ -228,24 +273,49 @@ class MoE(nn.Module):
         return out
 
 
+def keep_int4_experts(model: nn.Module, state: dict | None, group: int) -> nn.Module:
+    """`model` (just built on the meta device) with each MoE whose state holds packed INT4 routed
+    experts (`experts.gate_up_proj_packed`, checkpoints/quantized.py with `keep_int4`) holding them so."""
+    for key in state or {}:
+        if key.endswith("experts.gate_up_proj_packed"):
+            model.get_submodule(key.removesuffix(".gate_up_proj_packed")).keep_int4(group)
+    return model
+
+
+def int4_experts_for_cpu(model: nn.Module) -> None:
+    """After the load, on a CPU: every kept INT4 expert stack repacked for torch's CPU kernel."""
+    for module in model.modules():
+        if isinstance(module, RoutedExperts) and module.int4_group is not None:
+            module.int4_for_cpu()
+
+
 def stack_expert_keys(state: dict[str, torch.Tensor], prefix: str, num_experts: int) -> None:
     """Checkpoint experts `{prefix}experts.{e}.{gate,up,down}_proj.weight` -> our stacked
-    `{prefix}experts.gate_up_proj [E, 2I, H]` and `{prefix}experts.down_proj [E, H, I]`, in place;
+    `{prefix}experts.gate_up_proj [E, 2I, H]` and `{prefix}experts.down_proj [E, H, I]` (packed INT4:
+    `..._packed` and `..._scale` stacks, the same rows), in place;
     `shared_experts.{gate,up}_proj` fused like a dense MLP. One layer at a time: at most one layer's
     experts are held twice while they are stacked."""
-    names = [f"{prefix}experts.{e}.{p}_proj.weight" for e in range(num_experts) for p in ("gate", "up", "down")]
+    first = f"{prefix}experts.0.gate_proj."
+    kind = "weight_packed" if first + "weight_packed" in state else "weight"
+    names = [f"{prefix}experts.{e}.{p}_proj.{kind}" for e in range(num_experts) for p in ("gate", "up", "down")]
     if not all(n in state for n in names):
         return   # missing keys are reported by the loader, with their names
-    # block-FP8 weights kept as FP8 (models/fp8_layers.py) bring their scales, stacked alike
-    # (scales first: they check their weights' rows)
-    kinds = ("weight_scale_inv", "weight") if f"{prefix}experts.0.gate_proj.weight_scale_inv" in state else ("weight",)
-    for kind in kinds:
-        suffix = "" if kind == "weight" else "_scale_inv"
+    # block-FP8 weights kept as FP8 (models/fp8_layers.py) bring their scales, stacked alike (scales
+    # first: they check their weights' rows); packed INT4 ones (kernels/int4_experts.py) their words
+    # and scales, gate|up fused by rows as a dense weight is
+    if first + "weight_packed" in state:
+        kinds = {"weight_packed": "_packed", "weight_scale": "_scale"}
+    elif first + "weight_scale_inv" in state:
+        kinds = {"weight_scale_inv": "_scale_inv", "weight": ""}
+    else:
+        kinds = {"weight": ""}
+    for kind, suffix in kinds.items():
         gate_up, down = [], []
         for e in range(num_experts):
             base = f"{prefix}experts.{e}."
             pair = [f"{base}gate_proj.{kind}", f"{base}up_proj.{kind}"]
-            gate_up.append(fuse_scale_rows(state, pair) if suffix else fuse_rows(*(state.pop(n) for n in pair)))
+            fp8_scales = kind == "weight_scale_inv"
+            gate_up.append(fuse_scale_rows(state, pair) if fp8_scales else fuse_rows(*(state.pop(n) for n in pair)))
             down.append(state.pop(f"{base}down_proj.{kind}"))
         state[f"{prefix}experts.gate_up_proj{suffix}"] = torch.stack(gate_up)
         state[f"{prefix}experts.down_proj{suffix}"] = torch.stack(down)
