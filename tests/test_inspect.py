@@ -90,6 +90,27 @@ def test_kimi_int4_experts_count_as_int4(layouts):
     assert "vision_tower" in report["layout"]["groups"]      # present, and not read by a run
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp8", "tp8-ep"])
+def test_kimi_with_its_int4_experts_kept_fits_eight_h200s_with_room_for_long_caches(layouts, expert_parallel):
+    """Kept packed (target.quantization: auto), Kimi K2.5's experts take their words and a bf16 scale
+    per 32 weights in place of bf16 weights; the rest stays bf16. Split 8 ways, a rank fits a 141 GB
+    GPU with at least 64k tokens of KV cache, and not an 80 GB one."""
+    args = ["--tensor-parallel", "8", *(["--expert-parallel"] if expert_parallel else [])]
+    code, report = inspect_json(str(layouts["kimi-k2.5"]), *args)
+    assert code == 0
+    memory, int4 = report["memory"], report["tensors_by_dtype"]["INT4 (packed in I32)"]
+    published = int4["bytes"] + int4["parameters"] // 32 * 2            # words, and their bf16 scales
+    assert memory["int4_weights_bytes"] == memory["weights_bytes"] - 2 * int4["parameters"] + published
+    assert 580e9 < memory["int4_weights_bytes"] < 610e9                 # the release's ~594 GB
+    rank = memory["per_rank"]
+    assert rank["int4_weights_bytes"] == rank["weights_bytes"] - (2 * int4["parameters"] - published) // 8
+    h100, h200 = memory["gpus"]
+    assert h200["gpu"].startswith("141 GB") and h200["fits"] and h200["kv_cache_tokens"] >= 65_536
+    assert h100["gpu"].startswith("80 GB") and not h100["weights_fit"]
+    assert h200["kv_cache_tokens"] == (int(0.9 * (139 << 30)) - (4 << 30) - rank["int4_weights_bytes"]) \
+        // rank["kv_cache_bytes_per_token"]
+
+
 def test_a_full_size_deepseek_v3_is_inspected_from_its_headers_alone(layouts):
     """The folder says 680 GB; its data region is sparse and must never be read. /proc/self/io's
     rchar counts every byte read() returns to this process: the inspection reads the headers, the

@@ -65,6 +65,8 @@ def _parts(report: Inspection) -> list:
         memory = {f"weights ({m['dtype']})": human_bytes(m["weights_bytes"])}
         if "fp8_weights_bytes" in m:
             memory["weights (FP8 kept: GPUs with FP8 tensor cores)"] = human_bytes(m["fp8_weights_bytes"])
+        if "int4_weights_bytes" in m:
+            memory["weights (INT4 experts kept packed)"] = human_bytes(m["int4_weights_bytes"])
         memory["KV cache per token"] = human_bytes(m["kv_cache_bytes_per_token"])
         if "full_kv_bytes_per_token" in m:
             memory["  (uncompressed K/V would be)"] = human_bytes(m["full_kv_bytes_per_token"])
@@ -74,8 +76,16 @@ def _parts(report: Inspection) -> list:
             split = f"{rank['tensor_parallel_size']} tensor-parallel ranks" + (
                 ", experts whole" if rank["expert_parallel"] else "")
             memory[f"each of {split}: weights"] = human_bytes(rank["weights_bytes"])
+            if "int4_weights_bytes" in rank:
+                memory["  weights (INT4 experts kept packed)"] = human_bytes(rank["int4_weights_bytes"])
             memory["  KV cache per token"] = human_bytes(rank["kv_cache_bytes_per_token"])
             memory[f"  KV cache, batch {m['batch_size']} x {m['max_seq_len']} tokens"] = human_bytes(rank["kv_cache_bytes"])
+        for gpu in m.get("gpus", ()):
+            verdict = ("fits" if gpu["fits"] else "weights fit, not this cache" if gpu["weights_fit"]
+                       else "does not fit")
+            who = "each rank on a" if rank else "one"
+            memory[f"{who} {gpu['gpu']} GPU"] = (f"{verdict}: {gpu['kv_cache_tokens']:,} tokens of KV cache left"
+                                                 if gpu["weights_fit"] else verdict)
         parts.append(_pairs("memory to run", memory))
     if report.compatibility is not None:
         table = Table(title=f"with target {report.target}", title_justify="left", box=None)

@@ -7,7 +7,10 @@ loaders' own, run dry on the headers (checkpoints/loading.py `dry=True`, which b
 on the meta device), so inspect and `specgen run` can never disagree about a layout. The one
 exception is an EAGLE-3 draft's `d2t` (a few hundred KB), read to check its range when `--target`
 is given. `Inspection.runnable` is False when any problem or failed compatibility check was found
-(exit 1); the figures are those of a bf16 run (GPU; a CPU run holds float32 weights, twice as much).
+(exit 1); the figures are those of a bf16 run (GPU; a CPU run holds float32 weights, twice as much),
+beside the weights as kept where a checkpoint publishes them quantized (block FP8; packed INT4 experts),
+and `memory["gpus"]`: for an 80 GB and a 141 GB GPU, whether one rank's weights as kept and the asked
+cache fit, and how many tokens of KV cache the rest holds (`gpu_fits`).
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from pathlib import Path
 import torch
 
 from specgen.checkpoints.headers import DTYPE_NAMES, TensorHeader, checkpoint_headers, without_gc
-from specgen.checkpoints.loading import draft_tensor_names, kept_fp8_elements, load_draft, load_target, target_config
+from specgen.checkpoints.loading import (
+    draft_tensor_names,
+    kept_fp8_elements,
+    kept_int4_parts,
+    load_draft,
+    load_target,
+    target_config,
+)
 from specgen.models.tensor_parallel import TensorParallel, rank_shape
 from specgen.checkpoints.quantized import INT4_PACKED, quantization_of
 from specgen.checkpoints.store import CheckpointError, converted_folder, read_config, weight_files
@@ -170,9 +180,41 @@ def _inspect_target(report: Inspection, config: dict, folder: Path, headers: dic
         if target.model is not None:
             _dry_draft(report.problems, "mtp", config, folder, target, label="MTP layer: ")
     report.memory = _target_memory(target.cfg, batch_size, max_seq_len, tp, report.problems)
+    memory = report.memory
     fp8, scales = kept_fp8_elements(config, folder)
     if fp8:   # on GPUs with FP8 tensor cores the block-FP8 weights stay FP8 (target.fp8_weights)
-        report.memory["fp8_weights_bytes"] = report.memory["weights_bytes"] - fp8 * (RUN_DTYPE.itemsize - 1) + scales * 4
+        memory["fp8_weights_bytes"] = memory["weights_bytes"] - fp8 * (RUN_DTYPE.itemsize - 1) + scales * 4
+    int4, words, int4_scales = kept_int4_parts(config, folder)
+    if int4:  # packed INT4 experts stay packed (target.quantization: auto), split evenly like the experts
+        saved = int4 * RUN_DTYPE.itemsize - words - int4_scales
+        memory["int4_weights_bytes"] = memory["weights_bytes"] - saved
+        if "per_rank" in memory:
+            memory["per_rank"]["int4_weights_bytes"] = memory["per_rank"]["weights_bytes"] - saved // tp.size
+    held = memory.get("per_rank", memory)
+    weights = held.get("int4_weights_bytes", held.get("fp8_weights_bytes", held["weights_bytes"]))
+    memory["gpus"] = gpu_fits(weights, held["kv_cache_bytes_per_token"], batch_size * max_seq_len)
+
+
+# GPU memory as torch finds it free on an idle card of each size (what `specgen run` checks against)
+GPUS = (("80 GB (H100, A100)", 78 << 30), ("141 GB (H200)", 139 << 30))
+# Beside weights and cache: the CUDA context, the step's and a prefill's workspace (job/memory.py
+# estimates them per recipe; at batch 64 they stay under this for every target specgen runs)
+GPU_RESERVE = 4 << 30
+
+
+def gpu_fits(weights: int, kv_per_token: int, tokens: int) -> list[dict]:
+    """Per GPU size: whether `weights` (one rank's) and `tokens` of KV cache fit in `specgen run`'s
+    margin of it (job/memory.MEMORY_MARGIN) beside GPU_RESERVE, and how many tokens of KV cache the
+    rest holds."""
+    from specgen.job.memory import MEMORY_MARGIN
+
+    fits = []
+    for name, size in GPUS:
+        room = int(MEMORY_MARGIN * size) - GPU_RESERVE - weights
+        kv_tokens = max(0, room // kv_per_token) if kv_per_token else 0
+        fits.append({"gpu": name, "bytes": size, "weights_fit": room > 0, "fits": kv_tokens >= tokens,
+                     "kv_cache_tokens": kv_tokens})
+    return fits
 
 
 def _dry_target(problems: list[str], config: dict, folder: Path) -> _Target | None:
