@@ -216,7 +216,8 @@ def bench(
     limit: Annotated[int, typer.Option(min=1, help="Prompts used.")] = 16,
     batch_sizes: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "1,8",
     max_tokens: Annotated[int, typer.Option(min=1, help="Max new tokens per prompt (greedy, to EOS).")] = 128,
-    baselines: Annotated[str, typer.Option(help="Comma-separated: ar (no draft), hf (transformers generate).")] = "ar,hf",
+    baselines: Annotated[str, typer.Option(help="Comma-separated: ar (no draft), hf (transformers generate), "
+                                                     "llamacpp (llama.cpp on the same GGUF: the llamacpp extra).")] = "ar,hf",
     repeats: Annotated[int, typer.Option(min=1, help=(
         "Rounds of timed runs: each runs every configuration on every prompt, leg by leg (--chunk), "
         "each leg in the order opposite to the leg before."))] = 2,
@@ -258,8 +259,8 @@ def bench(
         console.print(f"[red]--ks: expected comma-separated integers in 1..32 or auto, got {ks!r}[/red]")
         raise typer.Exit(2) from None
     chosen = tuple(b for b in baselines.split(",") if b)
-    if set(chosen) - {"ar", "hf"}:
-        console.print(f"[red]--baselines: expected ar and/or hf, got {baselines!r}[/red]")
+    if set(chosen) - {"ar", "hf", "llamacpp"}:
+        console.print(f"[red]--baselines: expected ar, hf and/or llamacpp, got {baselines!r}[/red]")
         raise typer.Exit(2) from None
     paths = list(recipes)
     if all_drafts:

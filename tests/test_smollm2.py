@@ -3,6 +3,8 @@ transformers on the same weights."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from model_calls import logits
@@ -25,6 +27,24 @@ def smollm2():
     folder = resolve_checkpoint("smollm2-135m-instruct")
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return folder, reference, AutoTokenizer.from_pretrained(folder)
+
+
+def test_the_ggufs_own_blocks_are_its_dequantised_weights_exactly(smollm2):
+    """Every Q4_1 / Q8_0 tensor of the embedded GGUF read as blocks (checkpoints/gguf_blocks.py: codes,
+    scales and offsets straight from the file's bytes, Q and K rows put back in HF order) gives exactly
+    the weights transformers dequantised into the converted folder."""
+    from safetensors.torch import load_file
+
+    from specgen.checkpoints.gguf_blocks import gguf_source, published_blocks
+
+    folder, _, _ = smollm2
+    config = read_config(folder)
+    blocks = published_blocks(gguf_source(config), config)
+    dense = load_file(str(folder / "model.safetensors"))
+    assert len(blocks) == 30 * 7 + 1 and blocks["model.embed_tokens.weight"].format == "Q8_0"
+    assert {b.format for name, b in blocks.items() if name.startswith("model.layers.")} == {"Q4_1"}
+    for name, b in blocks.items():
+        assert torch.equal(b.dequantized(), dense[name].double()), name
 
 
 def test_conversion_is_an_hf_folder(smollm2):
@@ -57,7 +77,8 @@ def test_greedy_continuation_matches_transformers_generate(smollm2, method):
         out = reference.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
         expected[f"p{i}"] = out[0, ids.shape[1]:].tolist()
     recipe = recipe_from_dict({
-        "target": {"model": "smollm2-135m-instruct", "dtype": "float32"},   # transformers runs float32
+        # transformers runs float32, from the GGUF's dequantised weights
+        "target": {"model": "smollm2-135m-instruct", "dtype": "float32", "quantization": "none"},
         "draft": {"method": method, "load_format": "dummy", "num_speculative_tokens": 3},
         "sampling": {"max_tokens": n_new, "ignore_eos": True},
         "runtime": {"device": "cpu", "batch_size": 2, "max_seq_len": 256},
@@ -70,7 +91,7 @@ def test_greedy_continuation_matches_transformers_generate(smollm2, method):
 
 
 def _shipped_draft_run(method: str, draft_dtype: str | None, prompts: list[list[int]], n_new: int,
-                       miswire=None):
+                       miswire=None, quantization: str = "none"):
     from pathlib import Path
 
     draft = {"method": method, "num_speculative_tokens": 2}
@@ -78,7 +99,7 @@ def _shipped_draft_run(method: str, draft_dtype: str | None, prompts: list[list[
         draft["model"] = str(Path(__file__).parent.parent / "drafts" / f"smollm2-135m-instruct-{method}")
         draft["dtype"] = draft_dtype
     recipe = recipe_from_dict({
-        "target": {"model": "smollm2-135m-instruct", "dtype": "float32"},
+        "target": {"model": "smollm2-135m-instruct", "dtype": "float32", "quantization": quantization},
         "draft": draft,
         "sampling": {"max_tokens": n_new, "ignore_eos": True},
         "runtime": {"device": "cpu", "batch_size": 2, "max_seq_len": 256, "compile": False},
@@ -147,3 +168,44 @@ def test_a_shipped_draft_is_accepted_and_in_bfloat16_keeps_the_output_and_its_ac
     assert miswired < CONTROL_MARGIN[method] * acceptance["float32"], (miswired, acceptance)
     # in bf16 it agrees with the target about as often
     assert acceptance["bfloat16"] >= acceptance["float32"] - 0.1, acceptance
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "dflash"])
+def test_with_the_ggufs_blocks_kept_each_shipped_draft_keeps_the_plain_output(smollm2, method):
+    """`target.quantization: auto` on the GGUF keeps its Q4_1 blocks (int4) and its Q8_0 embedding:
+    a different model from the float one, whose speculative output must equal its own plain output
+    (MTP and DFlash read the target's head: it stays dense beside them)."""
+    from specgen.data import PromptRecord, tokenize_prompt
+    from specgen.models.quantized import QuantizedEmbedding, QuantizedLinear
+
+    _, _, tokenizer = smollm2
+    ids = [tokenize_prompt(PromptRecord(f"p{i}", i + 1, text), tokenizer, True)
+           for i, text in enumerate(SHIPPED_PROMPTS)]
+    plain, _ = _shipped_draft_run("none", None, ids, SHIPPED_TOKENS, quantization="auto")
+    dense, _ = _shipped_draft_run("none", None, ids, SHIPPED_TOKENS)
+    assert plain != dense                             # the kept blocks really changed the model
+    out, totals = _shipped_draft_run(method, "bfloat16", ids, SHIPPED_TOKENS, quantization="auto")
+    assert out == plain
+    assert totals.spec.num_accepted_tokens > 0.5 * FLOOR[method] * totals.spec.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["none", "dflash"])
+def test_the_memory_estimate_counts_the_ggufs_kept_blocks(smollm2, method):
+    """job/memory.py's "target weights" with the GGUF's blocks kept: what the model holds (int4 packs,
+    the int8 head, the 8-bit embedding; a dense head beside a draft that reads it), within 2%."""
+    from specgen.job import estimate_bytes
+    from specgen.models.quantized import QuantizedEmbedding, QuantizedLinear
+
+    draft = {"method": method}
+    if method != "none":
+        draft["model"] = str(Path(__file__).parent.parent / "drafts" / f"smollm2-135m-instruct-{method}")
+    recipe = recipe_from_dict({"target": {"model": "smollm2-135m-instruct", "dtype": "bfloat16"}, "draft": draft,
+                               "runtime": {"device": "cpu", "batch_size": 1, "max_seq_len": 256, "compile": False}})
+    model = build_runner(recipe, resolve(recipe), 0)[0].unified.target
+    held = sum(m.quantized.nbytes() for m in model.modules() if isinstance(m, QuantizedLinear))
+    held += sum(m.nbytes() for m in model.modules() if isinstance(m, QuantizedEmbedding))
+    dense = [model.lm_head.dense] if model.lm_head.dense is not None else []
+    assert bool(dense) == (method == "dflash")
+    held += sum(t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *dense)}.values())
+    estimate = estimate_bytes(recipe, resolve(recipe))["target weights"]
+    assert abs(estimate - held) <= 0.02 * held, (estimate, held)

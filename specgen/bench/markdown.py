@@ -28,13 +28,17 @@ def markdown(report: dict) -> str:
         f"up to {options.get('max_tokens')} new tokens, median of {options.get('repeats')} rounds, "
         f"{report.get('date', 'date unknown')}",
         "",
-        "| batch | config | tok/s | vs ar | vs hf | accept len | k (share of steps) | step ms (x ar) | warm-up s |",
-        "|---:|---|---:|---:|---:|---:|---|---:|---:|",
     ]
-    for r in report.get("results", []):
+    results = report.get("results", [])
+    llamacpp = any(r.get("config") == "llamacpp" for r in results)
+    extra = " vs llama.cpp |" if llamacpp else ""
+    lines += [f"| batch | config | tok/s | vs ar | vs hf |{extra} accept len | k (share of steps) | step ms (x ar) | warm-up s |",
+              "|---:|---|---:|---:|---:|" + ("---:|" if llamacpp else "") + "---:|---|---:|---:|"]
+    for r in results:
         if r.get("error"):
             speed = "skipped" if r.get("skipped") else "failed"
-            lines.append(f"| {r['batch_size']} | {r['config']} | {speed} | - | - | - | - | - | - |")
+            lines.append(f"| {r['batch_size']} | {r['config']} | {speed} | - | - |{' - |' if llamacpp else ''}"
+                         " - | - | - | - |")
             continue
         length = "-" if r.get("mean_acceptance_length") is None else f"{r['mean_acceptance_length']:.2f}"
         step = "-" if r.get("step_ms") is None else f"{r['step_ms']:.1f}"
@@ -43,7 +47,8 @@ def markdown(report: dict) -> str:
         warm = f"{r['warmup_seconds']:.0f}" + (" +" if r.get("shares_runner_of") else "")
         config = f"{r['config']} ({r['dtype']})" if r.get("dtype") else r["config"]
         lines.append(f"| {r['batch_size']} | {config} | {r['tokens_per_second']:,.1f} | "
-                     f"{times_text(r.get('speedup_vs_ar'))} | {times_text(r.get('speedup_vs_hf'))} | {length} | "
+                     f"{times_text(r.get('speedup_vs_ar'))} | {times_text(r.get('speedup_vs_hf'))} | "
+                     + (f"{times_text(r.get('speedup_vs_llamacpp'))} | " if llamacpp else "") + f"{length} | "
                      f"{k_shares(r.get('k_histogram'))} | {step} | {warm} |")
     return "\n".join(lines) + "\n"
 

@@ -42,6 +42,7 @@ are measured, and the runners are released before the next batch size.
 
 from __future__ import annotations
 
+import json
 import resource
 import statistics
 import time
@@ -101,10 +102,12 @@ class Measurement:
     policy: dict | None = None            # auto: the policy's estimates after the last round (its summary)
     speedup_vs_ar: float | None = None
     speedup_vs_hf: float | None = None
+    speedup_vs_llamacpp: float | None = None
     leg_samples: list[float] = field(default_factory=list)   # tokens/s of each leg, in run order
     error: str | None = None              # why it has no figures: what it raised ("RuntimeError: ...")
     skipped: bool = False                 # not run: it would not fit in memory beside the others (error says)
-    dtype: str | None = None              # hf: the dtype transformers ran in (on CPU the faster of two)
+    dtype: str | None = None              # hf: the dtype transformers ran in (on CPU the faster of two);
+                                          # llamacpp: the GGUF's block formats (and any fallback)
 
     @property
     def tokens_per_second(self) -> float | None:
@@ -166,8 +169,8 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
     from specgen.checkpoints.loading import load_target
     from specgen.checkpoints.tokenizer import load_tokenizer
     from specgen.job import JobError, build_runner, resolve
-    from specgen.job.resolved import keeps_fp8, keeps_int4, kept_quantization
-    from specgen.models.quantized import quantize_target
+    from specgen.job.build import quantize_on_load
+    from specgen.job.resolved import keeps_fp8, keeps_int4, shares_target_head
 
     status = on_status or (lambda line: None)
     base = recipes[0]
@@ -186,9 +189,8 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
                              device=resolved.device, dummy=base.target.load_format == "dummy",
                              keep_fp8=keeps_fp8(base, resolved.device),
                              keep_int4=keeps_int4(base, resolved.target_config, resolved.device))
-        quantization = kept_quantization(base, resolved.target_config)
-        if quantization is not None:         # once, for every runner that shares it
-            quantize_target(target, quantization)
+        # once, for every runner that shares it
+        quantize_on_load(target, base, resolved, keep_dense_head=any(map(shares_target_head, recipes)))
         tokenizer = load_tokenizer(resolved.target_folder, target.vocab_size)
     except JobError as err:
         raise BenchError(str(err), getattr(err, "exit_code", 1)) from err
@@ -233,6 +235,17 @@ def run_bench(recipes: list[Recipe], options: BenchOptions, *,
             status("hf baseline skipped: target.load_format is dummy (transformers needs weights)")
         else:
             configs.append(("hf", None, resolved))
+    if "llamacpp" in options.baselines:
+        from specgen.bench.llamacpp import available
+        from specgen.checkpoints.gguf_blocks import gguf_source
+
+        if gguf_source(resolved.target_config) is None or base.target.load_format == "dummy":
+            status("llamacpp baseline skipped: the target is not a GGUF file (llama.cpp reads GGUF only)")
+        elif not available():
+            status("llamacpp baseline skipped: llama-cpp-python is not installed (pip install 'specgen[llamacpp]'; "
+                   "it builds llama.cpp from source, minutes on 2 cores)")
+        else:
+            configs.append(("llamacpp", None, resolved))
     report = BenchReport(source, len(prompts), options, _device_name(resolved.device),
                          str(resolved.dtype).removeprefix("torch."), torch.get_num_threads())
 
@@ -344,7 +357,11 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
             status(f"batch {batch}: warming up {name}")
             start = time.perf_counter()
             try:
-                if recipe is None:
+                if recipe is None and name == "llamacpp":
+                    runners[name] = _llamacpp_process(resolved, base, tokenizer, options)
+                    runners[name].generate(prompts[:batch], batch, options.max_tokens)
+                    hf_dtype = _llamacpp_label(resolved, runners[name])
+                elif recipe is None:
                     from specgen.bench.hf import HFProcess
 
                     runners[name] = HFProcess(resolved.target_folder, resolved.device, resolved.dtype,
@@ -452,6 +469,9 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
     # a failed baseline leaves the others without a ratio, not without their own figures; a
     # constrained configuration is compared with ar under the same format
     hf = measurements.get("hf") if "hf" not in failed else None
+    llamacpp = measurements.get("llamacpp") if "llamacpp" not in failed else None
+    if llamacpp is not None and getattr(runners.get("llamacpp"), "fallback", None):
+        llamacpp.dtype = _llamacpp_label(resolved, runners["llamacpp"])       # what it fell back to
     formats = {name: _format_of(recipe) for name, recipe, _ in configs}
     per_step = {name: [s / max(1, n) for n, s in runs] for name, runs in steps.items()}   # s a step, by leg
     for m in measurements.values():
@@ -466,7 +486,33 @@ def _one_batch_size(configs, batch: int, options: BenchOptions, prompts, resolve
                 m.step_ratio = paired_ratio(per_step[m.config], per_step[ar_name])
         if hf is not None:
             m.speedup_vs_hf = paired_ratio(m.leg_samples, hf.leg_samples)
+        if llamacpp is not None:
+            m.speedup_vs_llamacpp = paired_ratio(m.leg_samples, llamacpp.leg_samples)
     return list(measurements.values())
+
+
+def _llamacpp_process(resolved, base: Recipe, tokenizer, options: BenchOptions):
+    """llama.cpp on the GGUF the target came from, in its own process (bench/llamacpp.py)."""
+    from specgen.bench.llamacpp import LlamaCppProcess
+    from specgen.checkpoints.gguf_blocks import gguf_source
+    from specgen.pipelines.stops import eos_ids_from
+
+    folder = resolved.target_folder
+    generation = {}
+    if (folder / "generation_config.json").is_file():
+        generation = json.loads((folder / "generation_config.json").read_text())
+    eos = [] if base.sampling.ignore_eos else sorted(eos_ids_from(tokenizer, generation, resolved.target_config))
+    return LlamaCppProcess(gguf_source(resolved.target_config), torch.get_num_threads(),
+                           base.runtime.max_seq_len, eos)
+
+
+def _llamacpp_label(resolved, runner) -> str:
+    """What llama.cpp ran: the GGUF's block formats, and the fallback it took, if any."""
+    from specgen.checkpoints.gguf_blocks import gguf_source, published_formats
+
+    formats = sorted({fmt for fmt, _ in published_formats(gguf_source(resolved.target_config)).values()})
+    label = "GGUF " + "/".join(formats) if formats else "GGUF"
+    return label + ("; prompts a token at a time after a crash" if runner.fallback else "")
 
 
 def _describe(err: BaseException) -> str:

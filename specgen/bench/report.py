@@ -5,7 +5,7 @@ The JSON's head: command, commit (source_commit), cpu (machine.cpu_description),
 options, device, dtype, threads, versions.
 
 JSON fields per measurement: config, batch_size, tokens_per_second (median), samples (one per round),
-speedup_vs_ar and speedup_vs_hf (median of the rounds' paired ratios), mean_acceptance_length,
+speedup_vs_ar, speedup_vs_hf and speedup_vs_llamacpp (median of the rounds' paired ratios), mean_acceptance_length,
 draft_acceptance_rate, acceptance_rate_per_position, acceptance_histogram, num_drafts, k_histogram
 (steps per k drafted: `auto` chooses), step_ms (timed runs, prefill left out), step_ratio (over ar's,
 paired by round), split_ms (eager twin: target / verify / draft / prefill / host /
@@ -13,7 +13,9 @@ total, ms per step), warmup_seconds, shares_runner_of (the config whose compiled
 warm-up is then what it added), compiled, peak_memory_bytes, output_tokens, error (what a failed
 configuration raised, or why a skipped one was not run; its figures are then null), skipped (true:
 it would not fit in memory beside the others, bench/measure.memory_shortfall), dtype (hf: the dtype
-transformers ran in; on CPU the faster of float32 and bf16, bench/hf.py).
+transformers ran in; on CPU the faster of float32 and bf16, bench/hf.py; llamacpp: the GGUF's block
+formats, and the fallback it took if llama.cpp crashed, bench/llamacpp.py). The "vs llama.cpp" column
+appears where the llamacpp baseline ran.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from rich.table import Table
 from specgen.bench.measure import BenchReport, Measurement
 
 FIELDS = ("config", "batch_size", "tokens_per_second", "samples", "leg_samples", "speedup_vs_ar",
-          "speedup_vs_hf", "mean_acceptance_length", "draft_acceptance_rate", "acceptance_rate_per_position",
+          "speedup_vs_hf", "speedup_vs_llamacpp", "mean_acceptance_length", "draft_acceptance_rate", "acceptance_rate_per_position",
           "acceptance_histogram", "num_drafts", "k_histogram", "step_ms", "step_ratio", "split_ms",
           "warmup_seconds", "shares_runner_of", "compiled", "peak_memory_bytes", "output_tokens", "error",
           "skipped", "dtype")
@@ -40,7 +42,7 @@ def measurement_dict(m: Measurement) -> dict:
     return {
         "config": m.config, "batch_size": m.batch_size, "tokens_per_second": m.tokens_per_second,
         "samples": m.samples, "leg_samples": m.leg_samples, "speedup_vs_ar": m.speedup_vs_ar,
-        "speedup_vs_hf": m.speedup_vs_hf,
+        "speedup_vs_hf": m.speedup_vs_hf, "speedup_vs_llamacpp": m.speedup_vs_llamacpp,
         "mean_acceptance_length": spec.get("mean_acceptance_length"),
         "draft_acceptance_rate": spec.get("draft_acceptance_rate"),
         "acceptance_rate_per_position": spec.get("acceptance_rate_per_position"),
@@ -118,9 +120,10 @@ def table(report: BenchReport) -> Table:
                     f"{report.options.max_tokens} max new tokens, {report.device}, {report.dtype}, "
                     f"{report.threads} threads, median of {report.options.repeats} rounds "
                     f"(speed-ups: of each round's ratio)")
-    for name in ("batch", "config", "tok/s", "vs ar", "vs hf", "accept len", "accept rate",
-                 "per position", "steps by k", "step ms (x ar)", "split ms (eager): target/verify/draft/host",
-                 "warm-up s"):
+    with_llamacpp = any(m.config == "llamacpp" for m in report.measurements)
+    for name in ("batch", "config", "tok/s", "vs ar", "vs hf", *(["vs llama.cpp"] if with_llamacpp else []),
+                 "accept len", "accept rate", "per position", "steps by k", "step ms (x ar)",
+                 "split ms (eager): target/verify/draft/host", "warm-up s"):
         t.add_column(name, justify="left" if name in ("config", "per position") else "right")
     for m in report.measurements:
         d = measurement_dict(m)
@@ -134,6 +137,7 @@ def table(report: BenchReport) -> Table:
         speed = ("skipped" if m.skipped else "failed") if m.error else f"{m.tokens_per_second:,.1f}"
         t.add_row(str(m.batch_size), f"{m.config} ({m.dtype})" if m.dtype else m.config, speed, times_text(m.speedup_vs_ar),
                   times_text(m.speedup_vs_hf),
+                  *([times_text(m.speedup_vs_llamacpp)] if with_llamacpp else []),
                   "-" if d["mean_acceptance_length"] is None else f"{d['mean_acceptance_length']:.2f}",
                   "-" if d["draft_acceptance_rate"] is None else f"{d['draft_acceptance_rate']:.0%}",
                   "-" if not rates else " ".join("-" if r is None else f"{r:.0%}" for r in rates),

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from specgen.models.layers import float32_logits
+from specgen.models.quantized import QuantizedOnly
 
 
 class TargetInDtype(nn.Module):
@@ -31,7 +32,11 @@ class TargetInDtype(nn.Module):
         self._target = (target,)              # outside the module tree: nothing of it is saved or moved
         self.dtype = dtype
         self.target_dtype = target.input_embedding.dtype
-        self.register_buffer("head_weight", target.output_embedding.detach().to(dtype), persistent=False)
+        try:
+            head = target.output_embedding.detach().to(dtype)
+        except QuantizedOnly:
+            head = None     # a quantized head kept without its dense weight: this draft does not read it
+        self.register_buffer("head_weight", head, persistent=False)
 
     # -- sizes, read by the builders -----------------------------------------------------------------
 

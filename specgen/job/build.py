@@ -17,14 +17,15 @@ from pathlib import Path
 import torch
 
 from specgen.checkpoints.loading import load_draft, load_target, target_config, unread_tensor_groups
+from specgen.checkpoints.gguf_blocks import published_blocks, published_formats
 from specgen.checkpoints.store import cache_root
 from specgen.checkpoints.tokenizer import load_tokenizer
 from specgen.drafts.forced import JUMP_FORWARD_K
 from specgen.drafts.suffix import SuffixProposer
 from specgen.job.errors import InputError
 from specgen.job.resolved import (
-    DTYPES, Resolved, auto_dtype, draft_dtype, draft_inside_a_dummy_target, keeps_fp8, keeps_int4, kept_quantization,
-    read_suffix_history)
+    DTYPES, Resolved, auto_dtype, draft_dtype, draft_inside_a_dummy_target, gguf_blocks_kept, keeps_fp8, keeps_int4,
+    kept_quantization, read_suffix_history, shares_target_head)
 from specgen.machine import choose_threads, cpu_has_amx, cpu_has_avx512, cpu_has_bf16
 from specgen.models.quantized import quantize_target
 from specgen.models.tensor_parallel import TensorParallel
@@ -50,6 +51,31 @@ from specgen.structured.grammar import GrammarEngine
 # cache; its kernels and autotuning results are cached) and saves ~40 ms of a ~65 ms eager step.
 # Without (larger steps) ~15 s, 10 s once Inductor's disk cache holds it, and saves ~18 ms of ~130.
 CPU_COMPILE_MIN_STEPS = {"frozen": 1800, "not frozen": 800}
+
+
+def quantize_on_load(target, recipe: Recipe, r: Resolved, keep_dense_head: bool | None = None) -> None:
+    """`target.quantization` applied to a loaded target (models/quantized.quantize_target): a GGUF's own
+    4-bit blocks kept (auto, int4), the rest as the recipe asks. `keep_dense_head`: default, whether
+    the recipe's draft reads the target's head (bench shares one target among several drafts)."""
+    kind = kept_quantization(recipe, r.target_config)
+    source = gguf_blocks_kept(recipe, r.target_config, r.device)
+    if kind is None and source is None:
+        return
+    published = published_blocks(source, r.target_config) if source is not None else None
+    if keep_dense_head is None:
+        keep_dense_head = shares_target_head(recipe)
+    quantize_target(target, kind, published=published, keep_dense_head=keep_dense_head)
+
+
+def quantization_note(recipe: Recipe, r: Resolved) -> str:
+    """The header's words for what `quantize_on_load` keeps ("" where nothing)."""
+    kind = kept_quantization(recipe, r.target_config)
+    source = gguf_blocks_kept(recipe, r.target_config, r.device)
+    if source is not None:
+        formats = sorted({fmt for fmt, _ in published_formats(source).values()})
+        rest = f", the rest {kind}" if kind else ""
+        return f", the GGUF's {'/'.join(formats)} blocks kept (target.quantization{rest})"
+    return f", {kind} weights (target.quantization)" if kind else ""
 
 
 def decide_compile(recipe: Recipe, device: torch.device, expected_steps: int | None,
@@ -101,8 +127,7 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
         target = load_target(r.target_config, r.target_folder, dtype=r.dtype, device=r.device,
                              dummy=dummy_target, tp=tp, keep_fp8=keeps_fp8(recipe, r.device),
                              keep_int4=keeps_int4(recipe, r.target_config, r.device))
-        if kept_quantization(recipe, r.target_config) is not None:
-            quantize_target(target, kept_quantization(recipe, r.target_config))
+        quantize_on_load(target, recipe, r)
     if dummy_target:
         notes.append("target.load_format is dummy: random weights, the output text is meaningless "
                      "(for measuring speed only)")
@@ -208,9 +233,8 @@ def build_runner(recipe: Recipe, r: Resolved, seed: int, *, expected_steps: int 
                   " (auto: AVX-512, bf16 converted in registers)" if dtype == "bfloat16" else
                   " (auto: eager steps, where bf16 converts on this CPU)" if cpu_has_avx512() else
                   " (auto: no AVX-512 on this CPU)")
-    if kept_quantization(recipe, r.target_config) is not None:
-        dtype += f", {kept_quantization(recipe, r.target_config)} weights (target.quantization)"
-    elif keeps_int4(recipe, r.target_config, r.device):
+    dtype += quantization_note(recipe, r)
+    if keeps_int4(recipe, r.target_config, r.device):
         dtype += ", routed experts INT4 as published"
     if draft is not None and r.draft_dtype != r.dtype:
         dtype += f", draft {str(r.draft_dtype).removeprefix('torch.')}"

@@ -11,9 +11,18 @@ from __future__ import annotations
 
 import torch
 
+from specgen.checkpoints.gguf_blocks import published_formats
 from specgen.checkpoints.loading import draft_tensor_names, kept_fp8_elements, kept_int4_parts, target_config
 from specgen.job.errors import JobError
-from specgen.job.resolved import Resolved, keeps_fp8, keeps_int4, kept_quantization, planned_tensor_parallel
+from specgen.job.resolved import (
+    Resolved,
+    gguf_blocks_kept,
+    keeps_fp8,
+    keeps_int4,
+    kept_quantization,
+    planned_tensor_parallel,
+    shares_target_head,
+)
 from specgen.models.tensor_parallel import rank_shape
 from specgen.recipe import Recipe
 from specgen.registry import DRAFT_METHODS
@@ -60,7 +69,8 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
     filters = s.temperature > 0 and (s.top_p < 1 or s.top_k > 0)
     relaxed = s.relaxed_acceptance is not None and k > 0
     parts = {
-        "target weights": kept_quantized_bytes(recipe, r, shard, item) if kept_quantization(recipe, r.target_config)
+        "target weights": kept_quantized_bytes(recipe, r, shard, item)
+        if kept_quantization(recipe, r.target_config) or gguf_blocks_kept(recipe, r.target_config, r.device)
         else shard.num_parameters() * item - fp8 * (item - 1) + fp8_scales * 4 - kept_int4,
         "target KV cache": shard.cache_bytes_per_token(r.dtype) * b * seq,
         # fp32 logits, processed log-probs, noise scores; top-k / top-p: probabilities, keys, masks;
@@ -89,17 +99,31 @@ def estimate_bytes(recipe: Recipe, r: Resolved) -> dict[str, int]:
 
 
 def kept_quantized_bytes(recipe: Recipe, r: Resolved, shape, item: int) -> int:
-    """The target's weights with `target.quantization` kept (models/quantized.quantize_target): the
-    layers and the head as codes and scales; the embedding dense in the run's dtype, and the head's
-    dense weight beside its codes (the embedding itself where they are tied). `item`: bytes of the
-    run's dtype."""
-    embedding = shape.vocab_size * shape.hidden_size
-    dense = embedding * (1 if shape.tie_word_embeddings else 2)
-    quantized = shape.num_parameters() - dense + embedding          # the layers, and the head's codes
-    # int4: half a byte and a bf16 (scale, zero) pair per 32 weights; int8: a byte and a bf16 scale per
-    # row (of about hidden_size weights)
-    per_weight = 0.5 + 4 / 32 if kept_quantization(recipe, r.target_config) == "int4" else 1 + 2 / shape.hidden_size
-    return int(dense * item + quantized * per_weight)
+    """The target's weights as `quantize_on_load` keeps them (models/quantized.quantize_target): a
+    GGUF's own blocks where it keeps them (4-bit: half a byte and a bf16 (scale, offset) pair per 32
+    weights; 8-bit: int8 with a bf16 scale per row of about hidden_size weights), the rest of the
+    layers and the head in the recipe's kind (or dense in the run's dtype), the embedding as 8-bit
+    codes with two float32 per 32, and a dense head beside where a draft reads it. `item`: bytes of
+    the run's dtype."""
+    kind = kept_quantization(recipe, r.target_config)
+    source = gguf_blocks_kept(recipe, r.target_config, r.device)
+    published = published_formats(source) if source is not None else {}
+    h, embedding = shape.hidden_size, shape.vocab_size * shape.hidden_size
+    per_weight = {"int4": 0.5 + 4 / 32, "int8": 1 + 2 / h, None: item}
+    by_format = lambda fmt: per_weight["int8" if fmt == "Q8_0" else "int4"]      # noqa: E731
+    layers = shape.num_parameters() - embedding * (1 if shape.tie_word_embeddings else 2)
+    kept = {n: f for n, f in published.items() if n.startswith("model.layers.")}
+    total = sum(n * by_format(fmt) for fmt, n in kept.values()) + (layers - sum(n for _, n in kept.values())) * per_weight[kind]
+    head = published.get("model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight")
+    head_kept = head is not None or kind is not None
+    total += embedding * (by_format(head[0]) if head is not None else per_weight[kind])
+    if not head_kept and shape.tie_word_embeddings:
+        total -= embedding * item            # the head is the embedding itself, counted below
+    quantized_embedding = kind is not None or "model.embed_tokens.weight" in published
+    total += embedding * (1 + 8 / 32 if quantized_embedding else item)
+    if head_kept and shares_target_head(recipe):
+        total += embedding * item            # the dense head beside, for the draft
+    return int(total)
 
 
 def available_bytes(device: torch.device) -> int:

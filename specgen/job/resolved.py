@@ -19,6 +19,7 @@ import torch
 
 from specgen.checkpoints.headers import without_gc
 from specgen.checkpoints.loading import has_draft_layers, load_draft, load_target, target_config
+from specgen.checkpoints.gguf_blocks import gguf_source
 from specgen.checkpoints.quantized import quantization_of
 from specgen.checkpoints.store import CheckpointError, read_config, resolve_checkpoint
 from specgen.data import ResultsFileError, read_answer_ids
@@ -106,6 +107,24 @@ def keeps_int4(recipe: Recipe, config: dict, device: torch.device) -> bool:
     if not published_int4(config) or setting in ("none", "int8"):
         return False
     return setting == "int4" or device.type == "cpu" or int4_kernel_supported(device)
+
+
+def gguf_blocks_kept(recipe: Recipe, config: dict, device: torch.device) -> Path | None:
+    """The GGUF whose own Q4_0 / Q4_1 / Q8_0 blocks the target keeps (checkpoints/gguf_blocks.py), or
+    None: a Llama-family target converted from a GGUF, target.quantization auto or int4, on a CPU in
+    one process (int8 and none quantize or keep its dequantised weights instead)."""
+    source = gguf_source(config)
+    if source is None or recipe.target.quantization not in ("auto", "int4") or device.type != "cpu":
+        return None
+    if architecture_name(config) not in QUANTIZABLE_TARGETS or recipe.runtime.tensor_parallel_size > 1:
+        return None
+    return source
+
+
+def shares_target_head(recipe: Recipe) -> bool:
+    """Whether the draft multiplies by the target's own head (MTP, DFlash): a quantized head then keeps
+    its dense weight beside (models/quantized.quantize_target's keep_dense_head)."""
+    return recipe.draft.model_method in ("mtp", "dflash")
 
 
 def kept_quantization(recipe: Recipe, config: dict) -> str | None:

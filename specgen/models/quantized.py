@@ -10,7 +10,9 @@ as one code per weight and one scale per output row. `weight.matmul(x)` is x @ W
 the codes (torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`: weight-only kernels that
 read a quarter / half of bf16's bytes); `weight.dequantized()` is W_q itself, dense, for references.
 `QuantizedLinear` stands in for a `Linear`; `quantize_linears(module, kind, group)` swaps every
-`Linear` under `module` for one. A quantized target is a different model from the bf16 one; what
+`Linear` under `module` for one; `QuantizedEmbedding` keeps an embedding as 8-bit codes.
+`quantize_target` does a whole decoder target, keeping a GGUF's own 4-bit blocks as they are
+(checkpoints/gguf_blocks.py) rather than quantizing their dequantised values again. A quantized target is a different model from the bf16 one; what
 specgen promises for it is that speculative output equals plain decoding's with the same quantized
 weights (the products give each row the same bits alone as beside others: tests/test_quantized_linear.py).
 CPU only for now (eager, or compiled: Inductor calls the same kernels inside the step's graph); a GPU's
@@ -118,6 +120,12 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight("int8", codes.contiguous(), scales, tuple(weight.shape))
 
 
+def packs_int4(rows: int) -> bool:
+    """Whether torch's CPU int4 pack takes a weight of `rows` output rows (multiples of 16 only); a
+    product it does not take stays dense."""
+    return rows % 16 == 0
+
+
 def quantize(weight: torch.Tensor, kind: str, group: int = INT4_GROUP) -> QuantizedWeight:
     if kind == "int4":
         return quantize_int4(weight, group)
@@ -126,9 +134,57 @@ def quantize(weight: torch.Tensor, kind: str, group: int = INT4_GROUP) -> Quanti
     raise ValueError(f"quantization {kind!r}: expected one of {', '.join(KINDS)}")
 
 
+class QuantizedEmbedding(nn.Module):
+    """An embedding kept as 8-bit (or 4-bit, from a GGUF's 4-bit blocks) integer codes with a float32
+    scale and offset per 32 columns of a row: row = codes x scale + offset, computed per looked-up row
+    in float32, then in the run's dtype. A GGUF's Q8_0 / Q4_x embedding keeps its own blocks (exact);
+    a dense one is quantized symmetric, absmax / 127 per 32 columns (`quantize_embedding`)."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        # codes: [V, H] int8; scales, offsets: [V, H / 32] float32
+        self.register_buffer("codes", codes.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.to(torch.float32).contiguous())
+        self.register_buffer("offsets", offsets.to(torch.float32).contiguous())
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = codes.shape
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense embedding [V, H] in the run's dtype, computed on each call (a draft that converts
+        the target's embedding reads it once, at load)."""
+        return self._rows(self.codes, self.scales, self.offsets)
+
+    def _rows(self, codes, scales, offsets) -> torch.Tensor:
+        # codes: [..., H]; scales, offsets: [..., H / 32] -> [..., H] in the run's dtype
+        grouped = codes.float().unflatten(-1, (-1, INT4_GROUP))
+        return (grouped * scales.unsqueeze(-1) + offsets.unsqueeze(-1)).flatten(-2).to(self.dtype)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # tokens: [...] -> [..., H]
+        return self._rows(self.codes[tokens], self.scales[tokens], self.offsets[tokens])
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+
+def quantize_embedding(weight: torch.Tensor) -> QuantizedEmbedding:
+    # weight: [V, H] -> int8 codes, one float32 scale per 32 columns of a row (symmetric, absmax / 127)
+    v, h = weight.shape
+    grouped = weight.to(torch.float32).view(v, h // INT4_GROUP, INT4_GROUP)
+    scales = grouped.abs().amax(dim=-1) / 127
+    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = torch.clamp(torch.round(grouped / safe[..., None]), -127, 127).view(v, h)
+    return QuantizedEmbedding(codes, scales, torch.zeros_like(scales), weight.dtype)
+
+
+class QuantizedOnly(RuntimeError):
+    """A dense weight asked of a layer that keeps its weight quantized only."""
+
+
 class QuantizedLinear(nn.Module):
     """A `Linear` whose weight is kept quantized; `dense` keeps the original weight beside it where
-    something else reads it (a tied embedding, a draft that shares the target's head)."""
+    something else reads it (a draft that shares the target's head)."""
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None,
                  dense: torch.Tensor | None = None) -> None:
@@ -140,9 +196,10 @@ class QuantizedLinear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dense weight, where it is kept (the head: drafts and tied embeddings read it)."""
+        """The dense weight, where it is kept (the head beside a draft that shares it)."""
         if self.dense is None:
-            raise AttributeError("this layer keeps its weight quantized only")
+            raise QuantizedOnly("this layer keeps its weight quantized only (a target quantized for a draft "
+                                "that reads its head keeps it dense beside: quantize_target's keep_dense_head)")
         return self.dense
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,10 +219,56 @@ def quantize_linears(module: nn.Module, kind: str, group: int = INT4_GROUP) -> i
     return swapped
 
 
-def quantize_target(model: nn.Module, kind: str, group: int = INT4_GROUP) -> None:
-    """A decoder target's layers' products and its LM head kept quantized (models/decoder.py). The
-    head keeps its dense weight beside (`output_embedding`: drafts that share the target's head read
-    it; a tied embedding is the same tensor); embeddings stay dense (a lookup reads one row a token)."""
-    quantize_linears(model.model.layers, kind, group)
+# Our fused projections and the checkpoint tensors whose rows they stack, in order
+FUSED_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+               "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def published_weight(blocks: list, kind: str | None) -> QuantizedWeight | None:
+    """A product's weight from a GGUF's own blocks (checkpoints/gguf_blocks.py; `blocks`: the
+    checkpoint tensors its rows stack), or None where they are not all there. 4-bit blocks move into
+    torch's int4 pack as they are (codes exact; each block's scale and offset rounded to bf16, the
+    pair torch's kernel takes); 8-bit ones become int8 with a scale per row (torch's int8 kernel has
+    no per-block scales), quantized again from their exact values."""
+    if not blocks or any(b is None for b in blocks):
+        return None
+    if all(b.bits == 4 for b in blocks) and packs_int4(sum(b.codes.shape[0] for b in blocks)):
+        cat = lambda field: torch.cat([getattr(b, field) for b in blocks])      # noqa: E731
+        return packed_int4(cat("codes"), cat("scales"), cat("offsets"), INT4_GROUP)
+    dense = torch.cat([b.dequantized() for b in blocks]).to(torch.float32)
+    return quantize_int8(dense) if kind in (None, "int8") or any(b.bits == 8 for b in blocks) else quantize(dense, kind)
+
+
+def quantize_target(model: nn.Module, kind: str | None, group: int = INT4_GROUP, published: dict | None = None,
+                    keep_dense_head: bool = False) -> None:
+    """A decoder target's layers' products, its LM head and its embedding kept quantized
+    (models/decoder.py). `kind`: what a dense weight becomes ("int4" / "int8"; None: it stays dense).
+    `published`: a GGUF's own blocks by checkpoint name (checkpoints/gguf_blocks.published_blocks),
+    kept in place of quantizing their dequantised values again (`published_weight`). The embedding
+    becomes 8-bit codes with a scale per 32 columns (a GGUF's own blocks where it has them). The head
+    keeps a dense copy beside only with `keep_dense_head` (a draft that shares the target's head:
+    MTP, DFlash)."""
+    published = published or {}
+    for i, layer in enumerate(model.model.layers):
+        for path, linear in list(layer.named_modules()):
+            if not isinstance(linear, nn.Linear):
+                continue
+            parts = FUSED_PARTS.get(path, (path,))
+            weight = published_weight([published.get(f"model.layers.{i}.{p}.weight") for p in parts], kind)
+            if weight is None and (kind is None or (kind == "int4" and not packs_int4(linear.out_features))):
+                continue
+            weight = weight or quantize(linear.weight.detach(), kind, group)
+            parent, _, name = path.rpartition(".")
+            setattr(layer.get_submodule(parent) if parent else layer, name, QuantizedLinear(weight, linear.bias))
     head = model.lm_head.weight.detach()
-    model.lm_head = QuantizedLinear(quantize(head, kind, group), dense=head)
+    tied = head is model.model.embed_tokens.weight or head.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    head_blocks = published.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    weight = published_weight([head_blocks], kind) if head_blocks is not None else None
+    if weight is not None or kind is not None:
+        model.lm_head = QuantizedLinear(weight or quantize(head, kind, group), dense=head if keep_dense_head else None)
+    embedding = model.model.embed_tokens.weight.detach()
+    blocks = published.get("model.embed_tokens.weight")
+    if blocks is not None:
+        model.model.embed_tokens = QuantizedEmbedding(blocks.codes - 8, blocks.scales, blocks.offsets, embedding.dtype)
+    elif kind is not None:
+        model.model.embed_tokens = quantize_embedding(embedding)
