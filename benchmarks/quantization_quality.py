@@ -3,7 +3,8 @@ the log-probability it gives the dense model's tokens.
 
     python benchmarks/quantization_quality.py --recipe recipes/smollm2-ar.yaml --limit 64 --max-tokens 64
 
-For each of int8 and int4 against the recipe's target in bf16, on held-out ShareGPT prompts (chat
+For each of int8 and int4 against the recipe's target in bf16 (on a GGUF target, int4 is what `auto`
+keeps: the file's own 4-bit blocks, checkpoints/gguf_blocks.py; int8 requantizes its dequantised weights), on held-out ShareGPT prompts (chat
 template, greedy, plain decoding): how many prompts give the very same tokens, the share of the dense
 model's tokens produced before the first divergence (averaged over prompts), and the mean log-prob each
 model gives the dense model's greedy tokens (teacher-forced: the prompt and the dense answer prefilled,
@@ -19,6 +20,7 @@ import statistics
 from dataclasses import replace
 
 from specgen.bench.measure import bench_prompts
+from specgen.checkpoints.gguf_blocks import gguf_source
 from specgen.data import read_prompts
 from specgen.job import build_runner, resolve
 from specgen.machine import cpu_description
@@ -65,15 +67,17 @@ def main() -> None:
     scorers = {kind: runner_for(recipe, kind, prompt_logprobs=0)[0] for kind in ("none", "int8", "int4")}
     print(f"{cpu_description()}; {args.recipe}, {len(prompts)} held-out ShareGPT prompts, greedy, "
           f"{args.max_tokens} new tokens; against the target in bf16")
-    print(f"{'weights':<8} {'same tokens':>12} {'agreed before divergence':>25} {'mean log-prob of bf16 tokens':>29}")
+    print(f"{'weights':<40} {'same tokens':>12} {'agreed before divergence':>25} {'mean log-prob of bf16 tokens':>29}")
+    gguf = gguf_source(dense.resolved.target_config) is not None
     for kind in ("none", "int8", "int4"):
+        label = {"none": "bf16", "int4": "int4 = auto (the GGUF's 4-bit blocks)" if gguf else "int4"}.get(kind, kind)
         got = reference if kind == "none" else generate(runner_for(recipe, kind)[0], prompts, args.max_tokens)
         same = sum(g == r for g, r in zip(got, reference))
         agreed = statistics.fmean(
             next((j for j, (x, y) in enumerate(zip(g, r)) if x != y), min(len(g), len(r))) / max(1, len(r))
             for g, r in zip(got, reference))
         score = mean_logprob(scorers[kind], prompts, reference)
-        print(f"{'bf16' if kind == 'none' else kind:<8} {f'{same}/{len(prompts)}':>12} {agreed:>25.1%} {score:>29.3f}")
+        print(f"{label:<40} {f'{same}/{len(prompts)}':>12} {agreed:>25.1%} {score:>29.3f}")
 
 
 if __name__ == "__main__":

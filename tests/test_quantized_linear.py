@@ -178,3 +178,31 @@ def test_the_memory_estimate_counts_the_kept_bytes(models, kind):  # noqa: F811
                            resolve(recipe))["target weights"]
     assert abs(estimate - held) <= 0.02 * held, (estimate, held)
     assert estimate < dense
+
+
+def test_suffix_drafts_on_a_quantized_target_keep_its_plain_output(models, tmp_path):  # noqa: F811
+    """The host-side draft (a suffix index over earlier answers, drafts/suffix.py) verified by an int4
+    target: its plain answers as the history, so most drafts are accepted, and every output is plain
+    decoding's on the same weights."""
+    import json
+
+    from specgen.recipe import recipe_from_dict
+
+    target, _ = models
+    ids = prompts()
+
+    def recipe(draft):
+        return recipe_from_dict({
+            "target": {"model": str(target), "dtype": "bfloat16", "quantization": "int4"}, "draft": draft,
+            "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7},
+            "runtime": {"device": "cpu", "batch_size": 4, "max_seq_len": 96, "compile": False},
+            "chat_template": False})
+
+    plain_recipe = recipe({"method": "none"})
+    plain, _ = run(build_runner(plain_recipe, resolve(plain_recipe), 7)[0], ids)
+    history = tmp_path / "history.jsonl"
+    history.write_text("".join(json.dumps({"id": k, "token_ids": v}) + "\n" for k, v in plain.items()))
+    spec_recipe = recipe({"method": "suffix", "num_speculative_tokens": 3, "suffix_history": str(history)})
+    spec, totals = run(build_runner(spec_recipe, resolve(spec_recipe), 7)[0], ids)
+    assert spec == plain
+    assert totals.spec.num_accepted_tokens > 0.5 * totals.spec.num_draft_tokens > 0

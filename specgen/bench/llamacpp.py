@@ -57,7 +57,10 @@ class LlamaCppGenerate:
 
 class LlamaCppProcess:
     """`LlamaCppGenerate` in a child process, with bench's runner interface (`generate`, `compiled`,
-    `close`). `fallback` names what it fell back to, if anything."""
+    `close`). `fallback` names what it fell back to, if anything. `CHILD`: the module the child runs
+    (`main` below; tests put a stand-in there)."""
+
+    CHILD = "specgen.bench.llamacpp"
 
     def __init__(self, gguf: Path, threads: int, context: int, eos: list[int]) -> None:
         self.compiled = False
@@ -66,7 +69,7 @@ class LlamaCppProcess:
         self.child = self._start(PROMPT_BATCH)
 
     def _start(self, n_batch: int) -> subprocess.Popen:
-        child = subprocess.Popen([sys.executable, "-m", "specgen.bench.llamacpp", *self.args, str(n_batch)],
+        child = subprocess.Popen([sys.executable, "-m", self.CHILD, *self.args, str(n_batch)],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.child = child
         self._ask({"ready": True})
