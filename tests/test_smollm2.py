@@ -170,19 +170,25 @@ def test_a_shipped_draft_is_accepted_and_in_bfloat16_keeps_the_output_and_its_ac
     assert acceptance["bfloat16"] >= acceptance["float32"] - 0.1, acceptance
 
 
-@pytest.mark.parametrize("method", ["eagle3", "mtp", "dflash"])
-def test_with_the_ggufs_blocks_kept_each_shipped_draft_keeps_the_plain_output(smollm2, method):
-    """`target.quantization: auto` on the GGUF keeps its Q4_1 blocks (int4) and its Q8_0 embedding:
-    a different model from the float one, whose speculative output must equal its own plain output
-    (MTP and DFlash read the target's head: it stays dense beside them)."""
+@pytest.fixture(scope="module")
+def kept_plain(smollm2):
+    """(prompts, plain output with the GGUF's blocks kept, plain output of the dequantised weights)."""
     from specgen.data import PromptRecord, tokenize_prompt
-    from specgen.models.quantized import QuantizedEmbedding, QuantizedLinear
 
     _, _, tokenizer = smollm2
     ids = [tokenize_prompt(PromptRecord(f"p{i}", i + 1, text), tokenizer, True)
            for i, text in enumerate(SHIPPED_PROMPTS)]
     plain, _ = _shipped_draft_run("none", None, ids, SHIPPED_TOKENS, quantization="auto")
     dense, _ = _shipped_draft_run("none", None, ids, SHIPPED_TOKENS)
+    return ids, plain, dense
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "dflash"])
+def test_with_the_ggufs_blocks_kept_each_shipped_draft_keeps_the_plain_output(kept_plain, method):
+    """`target.quantization: auto` on the GGUF keeps its Q4_1 blocks (int4) and its Q8_0 embedding:
+    a different model from the float one, whose speculative output must equal its own plain output
+    (MTP and DFlash read the target's head: it stays dense beside them)."""
+    ids, plain, dense = kept_plain
     assert plain != dense                             # the kept blocks really changed the model
     out, totals = _shipped_draft_run(method, "bfloat16", ids, SHIPPED_TOKENS, quantization="auto")
     assert out == plain

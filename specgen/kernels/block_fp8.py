@@ -149,6 +149,15 @@ def _block_fp8_pairs_kernel(x_ptr, xs_ptr, e_ptr, w_ptr, ws_ptr, out_ptr, N, K, 
     tl.store(out_ptr + pair * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < N)
 
 
+def _block_of_pairs(rows_ptr, block_expert_ptr, pid_m, BLOCK_M: tl.constexpr):
+    # block pid_m of `grouped_layout` -> (its expert, -1 for an unused block; its pairs' rows [BLOCK_M]
+    # int64, 0 where padding; which rows are pairs). Shared by the grouped kernels (int4_experts.py too).
+    expert = tl.load(block_expert_ptr + pid_m)
+    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows >= 0
+    return expert, tl.where(valid, rows, 0).to(tl.int64), valid
+
+
 def _block_fp8_grouped_kernel(x_ptr, xs_ptr, rows_ptr, block_expert_ptr, w_ptr, ws_ptr, out_ptr,
                               N, K, KB, NB, stride_xm, stride_we, stride_wn, stride_om,
                               BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -157,12 +166,8 @@ def _block_fp8_grouped_kernel(x_ptr, xs_ptr, rows_ptr, block_expert_ptr, w_ptr, 
     # in blocks of BLOCK_M (-1 = padding), block_expert_ptr each block's expert (-1 = unused block).
     # Each scale block of K is multiplied DOT_K columns at a time (smaller tiles in registers), its
     # products summed, then scaled once by the block's two scales.
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
-    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows >= 0
-    rows = tl.where(valid, rows, 0).to(tl.int64)
+    expert, rows, valid = _block_of_pairs(rows_ptr, block_expert_ptr, tl.program_id(0), BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, DOT_K)
     w_block_row = (pid_n * BLOCK_N) // BLOCK_K
@@ -188,11 +193,12 @@ _jitted = False
 
 
 def jit_kernels() -> None:
-    global _jitted, _block_fp8_gemm_kernel, _block_fp8_pairs_kernel, _block_fp8_grouped_kernel
+    global _jitted, _block_fp8_gemm_kernel, _block_fp8_pairs_kernel, _block_fp8_grouped_kernel, _block_of_pairs
     if _jitted:
         return
     if triton is None:
         raise RuntimeError("triton is not installed")
+    _block_of_pairs = triton.jit(_block_of_pairs)
     _block_fp8_gemm_kernel = triton.jit(_block_fp8_gemm_kernel)
     _block_fp8_pairs_kernel = triton.jit(_block_fp8_pairs_kernel)
     _block_fp8_grouped_kernel = triton.jit(_block_fp8_grouped_kernel)

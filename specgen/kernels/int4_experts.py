@@ -35,6 +35,7 @@ import torch
 
 from . import keyed_noise as kn
 from . import launch_configs
+from . import block_fp8
 from .block_fp8 import grouped_layout
 from .keyed_noise import tl, triton
 
@@ -106,12 +107,8 @@ def _int4_grouped_kernel(x_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, out_pt
     # blocks of BLOCK_M (-1 = padding), block_expert_ptr each block's expert (-1 = an unused block).
     # Each group of GROUP inputs: codes - 8 (exact in bf16) dotted with the bf16 activations in float32,
     # then scaled by the group's scale per column.
-    pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m)
-    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows >= 0
-    rows = tl.where(valid, rows, 0).to(tl.int64)
+    expert, rows, valid = block_fp8._block_of_pairs(rows_ptr, block_expert_ptr, tl.program_id(0), BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, GROUP)
     e = tl.maximum(expert, 0).to(tl.int64)
@@ -144,6 +141,7 @@ def jit_kernels() -> None:
         return
     if triton is None:
         raise RuntimeError("triton is not installed")
+    block_fp8.jit_kernels()          # its `_block_of_pairs`, which the kernel calls
     _int4_grouped_kernel = triton.jit(_int4_grouped_kernel)
     _jitted = True
 
