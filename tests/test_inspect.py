@@ -111,6 +111,20 @@ def test_kimi_with_its_int4_experts_kept_fits_eight_h200s_with_room_for_long_cac
         // rank["kv_cache_bytes_per_token"]
 
 
+def test_deepseek_v3_with_its_fp8_weights_kept_is_judged_on_the_bytes_a_rank_holds(layouts):
+    """At TP 8 a rank holds an eighth of the kept FP8 weights: the GPU verdict reads that figure, not
+    the bf16 one (DeepSeek-V3 in FP8 runs on 8 H200s)."""
+    code, report = inspect_json(str(layouts["deepseek-v3"]), "--tensor-parallel", "8")
+    memory = report["memory"]
+    rank = memory["per_rank"]
+    saved = memory["weights_bytes"] - memory["fp8_weights_bytes"]
+    assert rank["fp8_weights_bytes"] == rank["weights_bytes"] - saved // 8
+    h100, h200 = memory["gpus"]
+    assert h200["fits"] and not h100["weights_fit"]
+    assert h200["kv_cache_tokens"] == (int(0.9 * (139 << 30)) - (4 << 30) - rank["fp8_weights_bytes"]) \
+        // rank["kv_cache_bytes_per_token"]
+
+
 def test_a_full_size_deepseek_v3_is_inspected_from_its_headers_alone(layouts):
     """The folder says 680 GB; its data region is sparse and must never be read. /proc/self/io's
     rchar counts every byte read() returns to this process: the inspection reads the headers, the

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from specgen.bench.child import JsonChild
 from specgen.pipelines.stops import eos_ids_from
 
 
@@ -87,20 +87,13 @@ class HFProcess:
     def __init__(self, folder: Path, device: torch.device, dtype: torch.dtype, ignore_eos: bool,
                  threads: int) -> None:
         self.compiled = False
-        self.child = subprocess.Popen(
-            [sys.executable, "-m", "specgen.bench.hf", str(folder), str(device),
-             str(dtype).removeprefix("torch."), str(int(ignore_eos)), str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.child = JsonChild([sys.executable, "-m", "specgen.bench.hf", str(folder), str(device),
+                                str(dtype).removeprefix("torch."), str(int(ignore_eos)), str(threads)],
+                               "transformers baseline")
         self._ask({"ready": True})
 
     def _ask(self, request: dict) -> dict:
-        self.child.stdin.write(json.dumps(request) + "\n")
-        self.child.stdin.flush()
-        line = self.child.stdout.readline()
-        if not line:
-            error = self.child.stderr.read()[-2000:]
-            raise RuntimeError(f"the transformers baseline process failed: {error}")
-        return json.loads(line)
+        return self.child.ask(request)
 
     def about(self) -> dict:
         """The child's `process_facts()`."""
@@ -117,9 +110,7 @@ class HFProcess:
         return reply["dtype"], reply["tokens_per_second"]
 
     def close(self) -> None:
-        if self.child.poll() is None:
-            self.child.stdin.close()
-            self.child.wait(timeout=60)
+        self.child.close()
 
 
 def main(argv: list[str]) -> None:

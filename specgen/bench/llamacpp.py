@@ -19,10 +19,11 @@ crash in its native code must not take the bench with it.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from specgen.bench.child import ChildDied, JsonChild
 
 PROMPT_BATCH = 512              # llama.cpp's default n_batch: prompt tokens evaluated per call
 
@@ -66,43 +67,29 @@ class LlamaCppProcess:
         self.compiled = False
         self.fallback: str | None = None
         self.args = [str(gguf), str(threads), str(context), json.dumps(eos)]
-        self.child = self._start(PROMPT_BATCH)
+        self._start(PROMPT_BATCH)
 
-    def _start(self, n_batch: int) -> subprocess.Popen:
-        child = subprocess.Popen([sys.executable, "-m", self.CHILD, *self.args, str(n_batch)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.child = child
-        self._ask({"ready": True})
-        return child
-
-    def _ask(self, request: dict) -> dict:
-        self.child.stdin.write(json.dumps(request) + "\n")
-        self.child.stdin.flush()
-        line = self.child.stdout.readline()
-        if not line:
-            code = self.child.wait()
-            error = self.child.stderr.read()[-2000:]
-            raise RuntimeError(f"the llama.cpp baseline process died (exit code {code}): {error.strip()}")
-        return json.loads(line)
+    def _start(self, n_batch: int) -> None:
+        self.child = JsonChild([sys.executable, "-m", self.CHILD, *self.args, str(n_batch)], "llama.cpp baseline")
+        self.child.ask({"ready": True})
 
     def generate(self, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[int, float]:
         request = {"prompts": prompts, "max_tokens": max_tokens}
         try:
-            reply = self._ask(request)
-        except RuntimeError as err:
+            reply = self.child.ask(request)
+        except ChildDied as err:
             if self.fallback is not None:
-                raise
+                raise ChildDied(f"{err}; after it had fallen back to {self.fallback}") from None
             # batched prompt evaluation is what crashed where llama.cpp crashed here: once more,
             # a token at a time
+            self.child.close()
             self.fallback = f"prompts evaluated one token at a time ({err})"
             self._start(1)
-            reply = self._ask(request)
+            reply = self.child.ask(request)
         return reply["tokens"], reply["seconds"]
 
     def close(self) -> None:
-        if self.child.poll() is None:
-            self.child.stdin.close()
-            self.child.wait(timeout=60)
+        self.child.close()
 
 
 def main(argv: list[str]) -> None:

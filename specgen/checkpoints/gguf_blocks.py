@@ -1,11 +1,13 @@
 """A GGUF's own quantized blocks, read as they are stored: what `target.quantization` keeps of a GGUF
 target instead of quantizing its dequantised weights again.
 
-Contract: `published_blocks(gguf, config)` reads every Llama-family weight stored as Q4_0, Q4_1 or
-Q8_0 (ggml's block formats, 32 weights a block, from the file's bytes with no float round trip) and
-returns them by the HF tensor name transformers' conversion gives them (`model.layers.{i}.self_attn.q_proj
-.weight`, `model.embed_tokens.weight`, `lm_head.weight`), as `Blocks`: integer codes [rows, cols] and
-float32 per-block scale and offset [rows, cols / 32] with real weight = (code - 8) x scale + offset.
+Contract: `published_blocks(gguf, config)` gives every Llama-family weight stored as Q4_0, Q4_1 or
+Q8_0 (ggml's block formats, 32 weights a block, from the file's bytes with no float round trip) by the
+HF tensor name transformers' conversion gives it (`model.layers.{i}.self_attn.q_proj.weight`,
+`model.embed_tokens.weight`, `lm_head.weight`), as `Blocks`: integer codes [rows, cols] and per-block
+scale and offset [rows, cols / 32] with real weight = (code - 8) x scale + offset. It is a mapping that
+decodes a tensor when it is asked for (the file is memory-mapped): a caller that packs one weight at a
+time holds one decoded weight at a time.
 That is exactly the GGUF's value, in every format:
   Q4_0  18 bytes: d (fp16), 16 bytes of nibbles        w = (q - 8) d          code q, scale d, offset 0
   Q4_1  20 bytes: d, m (fp16), 16 bytes of nibbles     w = q d + m            code q, scale d, offset m + 8 d
@@ -21,6 +23,7 @@ weights of the embedded SmolLM2 GGUF.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,9 +47,9 @@ _TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output.weight":
 class Blocks:
     """One weight's blocks: w[r, c] = (codes[r, c] - 8) x scales[r, c // 32] + offsets[r, c // 32]."""
     format: str                # "Q4_0" | "Q4_1" | "Q8_0"
-    codes: torch.Tensor        # [rows, cols] int32: 0..15 (4-bit formats), 0..255 (Q8_0: q + 8)
+    codes: torch.Tensor        # [rows, cols] uint8 0..15 (4-bit formats); int16 -120..135 (Q8_0: q + 8)
     scales: torch.Tensor       # [rows, cols / 32] float32 (an fp16 value, exact)
-    offsets: torch.Tensor      # [rows, cols / 32] float32
+    offsets: torch.Tensor      # [rows, cols / 32] float64 (Q4_1's m + 8 d needs up to 26 bits; else 0)
 
     @property
     def bits(self) -> int:
@@ -76,22 +79,18 @@ def decode_blocks(raw: np.ndarray, fmt: str) -> Blocks:
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, BLOCK_BYTES[fmt])
     scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)          # [rows, nb]
+    offset = np.zeros(scale.shape, dtype=np.float64)
     if fmt == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).astype(np.int32) + 8                  # [rows, nb, 32]
-        offset = np.zeros_like(scale)
+        q = blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 8                  # [rows, nb, 32]
     else:
         start = 2 if fmt == "Q4_0" else 4
-        packed = blocks[..., start:start + 16].astype(np.int32)                        # [rows, nb, 16]
+        packed = blocks[..., start:start + 16]                                          # [rows, nb, 16]
         q = np.concatenate((packed & 0xF, packed >> 4), axis=-1)                        # weights 0..15, 16..31
-        if fmt == "Q4_0":
-            offset = np.zeros_like(scale)
-        else:
+        if fmt == "Q4_1":
             m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
-            offset = m + 8 * scale.astype(np.float64)       # exact in float64; see `offsets` below
+            offset = m + 8 * scale.astype(np.float64)       # exact in float64, rounded by the product's layout
     codes = torch.from_numpy(np.ascontiguousarray(q.reshape(rows, -1)))
-    # Q4_1's offset m + 8 d needs up to 26 significant bits: kept in float64 until the product's own
-    # layout rounds it (models/quantized.py: bf16 pairs for torch's int4 kernel)
-    return Blocks(fmt, codes, torch.from_numpy(scale), torch.from_numpy(np.asarray(offset)))
+    return Blocks(fmt, codes, torch.from_numpy(scale), torch.from_numpy(offset))
 
 
 def unpermute_rows(blocks: Blocks, heads: int) -> Blocks:
@@ -103,24 +102,36 @@ def unpermute_rows(blocks: Blocks, heads: int) -> Blocks:
     return blocks.rows(torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows))
 
 
-def published_blocks(gguf: Path, config: dict) -> dict[str, Blocks]:
-    """Every Q4_0 / Q4_1 / Q8_0 weight of a Llama-family GGUF, by HF name (see the module docstring)."""
-    from gguf import GGUFReader
+class PublishedBlocks(Mapping):
+    """`published_blocks`' result: HF name -> `Blocks`, each decoded when asked for."""
 
-    reader = GGUFReader(str(gguf))
-    heads, kv_heads = int(config["num_attention_heads"]), int(config.get("num_key_value_heads") or config["num_attention_heads"])
-    found = {}
-    for tensor in reader.tensors:
-        fmt, name = tensor.tensor_type.name, hf_name(tensor.name)
-        if fmt not in BLOCK_BYTES or name is None:
-            continue
-        blocks = decode_blocks(np.asarray(tensor.data), fmt)
+    def __init__(self, gguf: Path, config: dict) -> None:
+        from gguf import GGUFReader
+
+        self.heads = int(config["num_attention_heads"])
+        self.kv_heads = int(config.get("num_key_value_heads") or self.heads)
+        self.tensors = {hf_name(t.name): t for t in GGUFReader(str(gguf)).tensors
+                        if t.tensor_type.name in BLOCK_BYTES and hf_name(t.name) is not None}
+
+    def __getitem__(self, name: str) -> Blocks:
+        tensor = self.tensors[name]
+        blocks = decode_blocks(np.asarray(tensor.data), tensor.tensor_type.name)
         if name.endswith("q_proj.weight"):
-            blocks = unpermute_rows(blocks, heads)
-        elif name.endswith("k_proj.weight"):
-            blocks = unpermute_rows(blocks, kv_heads)
-        found[name] = blocks
-    return found
+            return unpermute_rows(blocks, self.heads)
+        if name.endswith("k_proj.weight"):
+            return unpermute_rows(blocks, self.kv_heads)
+        return blocks
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+
+def published_blocks(gguf: Path, config: dict) -> PublishedBlocks:
+    """Every Q4_0 / Q4_1 / Q8_0 weight of a Llama-family GGUF, by HF name (see the module docstring)."""
+    return PublishedBlocks(gguf, config)
 
 
 def published_formats(gguf: Path) -> dict[str, tuple[str, int]]:

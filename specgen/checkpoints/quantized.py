@@ -33,6 +33,7 @@ import torch
 
 from specgen.checkpoints.headers import TensorHeader
 from specgen.checkpoints.store import CheckpointError
+from specgen.kernels.int4_experts import unpack_codes
 
 FP8_SCALE = "weight_scale_inv"
 INT4_PACKED, INT4_SCALE, INT4_SHAPE = "weight_packed", "weight_scale", "weight_shape"
@@ -100,10 +101,7 @@ def dequantize_int4_packed(packed: torch.Tensor, scale: torch.Tensor, shape: tor
         raise ValueError(f"scale shape {list(scale.shape)} does not match groups of {group} over {cols} inputs")
     if isinstance(packed, TensorHeader):
         return TensorHeader((rows, cols), torch.float32, packed.names + scale.names)
-    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
-    # an arithmetic shift of a negative int32 fills high bits with ones; the mask drops them
-    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF                                    # [O, I/8, 8]
-    values = nibbles.reshape(rows, -1)[:, :cols].float() - 8
+    values = unpack_codes(packed, cols).float() - 8
     return values * scale.float().repeat_interleave(group, 1)[:, :cols]
 
 

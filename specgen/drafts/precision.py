@@ -31,7 +31,7 @@ class TargetInDtype(nn.Module):
         super().__init__()
         self._target = (target,)              # outside the module tree: nothing of it is saved or moved
         self.dtype = dtype
-        self.target_dtype = target.input_embedding.dtype
+        self.target_dtype = target.embedding_dtype
         try:
             head = target.output_embedding.detach().to(dtype)
         except QuantizedOnly:

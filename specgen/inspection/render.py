@@ -76,6 +76,8 @@ def _parts(report: Inspection) -> list:
             split = f"{rank['tensor_parallel_size']} tensor-parallel ranks" + (
                 ", experts whole" if rank["expert_parallel"] else "")
             memory[f"each of {split}: weights"] = human_bytes(rank["weights_bytes"])
+            if "fp8_weights_bytes" in rank:
+                memory["  weights (FP8 kept)"] = human_bytes(rank["fp8_weights_bytes"])
             if "int4_weights_bytes" in rank:
                 memory["  weights (INT4 experts kept packed)"] = human_bytes(rank["int4_weights_bytes"])
             memory["  KV cache per token"] = human_bytes(rank["kv_cache_bytes_per_token"])

@@ -183,7 +183,10 @@ def _inspect_target(report: Inspection, config: dict, folder: Path, headers: dic
     memory = report.memory
     fp8, scales = kept_fp8_elements(config, folder)
     if fp8:   # on GPUs with FP8 tensor cores the block-FP8 weights stay FP8 (target.fp8_weights)
-        memory["fp8_weights_bytes"] = memory["weights_bytes"] - fp8 * (RUN_DTYPE.itemsize - 1) + scales * 4
+        saved = fp8 * (RUN_DTYPE.itemsize - 1) - scales * 4
+        memory["fp8_weights_bytes"] = memory["weights_bytes"] - saved
+        if "per_rank" in memory:      # split over ranks like the rest (job/memory.py does the same)
+            memory["per_rank"]["fp8_weights_bytes"] = memory["per_rank"]["weights_bytes"] - saved // tp.size
     int4, words, int4_scales = kept_int4_parts(config, folder)
     if int4:  # packed INT4 experts stay packed (target.quantization: auto), split evenly like the experts
         saved = int4 * RUN_DTYPE.itemsize - words - int4_scales

@@ -102,9 +102,10 @@ def published_int4(config: dict) -> bool:
 def keeps_int4(recipe: Recipe, config: dict, device: torch.device) -> bool:
     """Whether a checkpoint's packed INT4 routed experts stay packed (kernels/int4_experts.py): auto
     keeps them where a kernel multiplies them (a CPU: torch's int4 kernel; a CUDA GPU with Triton),
-    int4 keeps them anywhere, none dequantises them on load."""
+    int4 asks for them (`check_quantization` refuses a GPU without the kernel), none dequantises them
+    on load; random weights (load_format: dummy) have none to keep."""
     setting = recipe.target.quantization
-    if not published_int4(config) or setting in ("none", "int8"):
+    if not published_int4(config) or setting in ("none", "int8") or recipe.target.load_format == "dummy":
         return False
     return setting == "int4" or device.type == "cpu" or int4_kernel_supported(device)
 
@@ -141,6 +142,11 @@ def check_quantization(recipe: Recipe, device: torch.device, config: dict) -> No
     """What `target.quantization` can run on (InputError naming the field otherwise): quantized on
     load on CPU, in one process, for a target of the Llama family; a published INT4 checkpoint's
     experts anywhere."""
+    if recipe.target.quantization == "int4" and published_int4(config) and device.type == "cuda" \
+            and not int4_kernel_supported(device):
+        # the reference would gather every pair's expert as float32: terabytes for Kimi K2.5's prefill
+        raise InputError("recipe.target.quantization: int4: this GPU has no kernel for the checkpoint's INT4 experts "
+                         "(Triton on compute capability 8.0 and up); set target.quantization: none to dequantise them")
     kind = kept_quantization(recipe, config)
     if kind is None:
         return

@@ -45,6 +45,7 @@ CODES_PER_WORD = 8
 def unpack_codes(packed: torch.Tensor, columns: int) -> torch.Tensor:
     """The 4-bit codes (0..15) of a packed [..., N, ceil(K / 8)] int32 tensor, as [..., N, K] int32."""
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)
+    # an arithmetic shift of a negative int32 fills high bits with ones; the mask drops them
     nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF                       # [..., N, K / 8, 8]
     return nibbles.flatten(-2)[..., :columns]
 
@@ -70,16 +71,20 @@ def int4_pairs_reference(x: torch.Tensor, experts: torch.Tensor, packed: torch.T
 # ---------------------------------------------------------------------------------------------------
 
 
+def torch_int4_pack(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [N, K] in 0..15 with a (scale, zero) per group [N, K / g] -> torch's CPU int4 pack: codes
+    [N, K / 2] uint8 (its own interleaved layout) and pairs [K / g, N, 2] bf16, w = (code - 8) x scale + zero."""
+    pairs = torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1), pairs
+
+
 def cpu_layout(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The published layout repacked for torch's CPU int4 kernel, expert by expert (no float round trip:
     the codes move as they are, the bf16 scales stay bf16, the zero is 0)."""
     # packed: [E, N, K / 8] int32; scale: [E, N, K / g] -> ([E, N, K / 2] uint8, [E, K / g, N, 2] bf16)
     columns = packed.shape[-1] * CODES_PER_WORD
-    codes = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_codes(p, columns).contiguous(), 1)
-             for p in packed]
-    s = scale.to(torch.bfloat16).transpose(1, 2)
-    pairs = torch.stack((s, torch.zeros_like(s)), dim=-1).contiguous()
-    return torch.stack(codes), pairs
+    experts = [torch_int4_pack(unpack_codes(p, columns), s, torch.zeros_like(s)) for p, s in zip(packed, scale)]
+    return torch.stack([codes for codes, _ in experts]), torch.stack([pairs for _, pairs in experts])
 
 
 def int4_pairs_cpu(x: torch.Tensor, experts: torch.Tensor, codes: torch.Tensor, pairs: torch.Tensor,
@@ -167,6 +172,7 @@ def int4_pairs_triton(x: torch.Tensor, experts: torch.Tensor, packed: torch.Tens
     assert packed.dtype == torch.int32 and packed.shape[2] * CODES_PER_WORD == K and packed.stride(2) == 1, \
         "packed: [E, N, K / 8] int32"
     assert scale.shape == (E, N, K // group) and K % group == 0 and group % 16 == 0, "scale: [E, N, K / group]"
+    assert scale.stride(2) == 1, "scale: contiguous along K"
     assert experts.shape == (P,) and experts.dtype == torch.int64
     launch = launch_configs.INT4_GROUPED
     block_m, block_n = launch.tiles["BLOCK_M"], launch.tiles["BLOCK_N"]

@@ -38,6 +38,12 @@ class DecoderTarget(nn.Module):
         return self.model.embed_tokens.weight
 
     @property
+    def embedding_dtype(self) -> torch.dtype:
+        """The dtype `embed` returns, without building a dense table (a QuantizedEmbedding holds codes)."""
+        embedding = self.model.embed_tokens
+        return getattr(embedding, "dtype", None) or embedding.weight.dtype
+
+    @property
     def output_embedding(self) -> torch.Tensor:
         return self.lm_head.weight
 

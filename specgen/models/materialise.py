@@ -27,7 +27,7 @@ FLOAT32_TENSORS = ("e_score_correction_bias",)
 # Block-FP8 weights kept as FP8 (kernels/block_fp8.py): the weights stay FP8, their scales float32.
 FP8_SCALE_SUFFIX = "scale_inv"
 # Packed INT4 routed experts kept packed (kernels/int4_experts.py): words int32, scales as published.
-INT4_SCALE_SUFFIX = "_proj_scale"
+INT4_SCALES = (".experts.gate_up_proj_scale", ".experts.down_proj_scale")
 
 
 def keeps_float32(name: str) -> bool:
@@ -121,7 +121,7 @@ def load_into(module: nn.Module, state: dict[str, torch.Tensor], *, dtype: torch
         if id(t) not in cast:
             target = torch.float32 if keeps_float32(key) else dtype
             # FP8 weights stay FP8; kept INT4 experts' scales stay as published
-            keep = not t.is_floating_point() or t.dtype == torch.float8_e4m3fn or key.endswith(INT4_SCALE_SUFFIX)
+            keep = not t.is_floating_point() or t.dtype == torch.float8_e4m3fn or key.endswith(INT4_SCALES)
             cast[id(t)] = t.to(device) if keep else t.to(device=device, dtype=target)
         return cast[id(t)]
 

@@ -14,7 +14,8 @@ say) plugs in by implementing it. The contract:
 - `new_cache(slots, max_len, dtype, device)` and `cache_bytes_per_token(dtype)` (for the estimate);
 - `static_tensors()`: tensors outside the parameters that a CUDA graph must see at fixed addresses;
 - `shape`: the dimensions drafts need to build a config in the target's shape (dummy drafts);
-- `input_embedding` / `output_embedding`: the weight tensors, so loaders can share instead of copy.
+- `input_embedding` / `output_embedding`: the weight tensors, so loaders can share instead of copy
+  (`embedding_dtype`: the embedding's dtype without building a dense table of a quantized one).
 
 A `Cache` holds per-row state at absolute positions; entries at or past a row's committed length are
 scratch (a step writes them, the next overwrites), so rejected drafts never need an undo. Its
@@ -67,6 +68,7 @@ class Target(Protocol):
     vocab_size: int
     input_embedding: torch.Tensor
     output_embedding: torch.Tensor
+    embedding_dtype: torch.dtype
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: Cache, attn: Any,
                 capture: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]: ...

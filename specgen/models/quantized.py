@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from specgen.kernels.int4_experts import torch_int4_pack
+
 KINDS = ("int8", "int4")
 INT4_GROUP = 32
 
@@ -97,10 +99,8 @@ def int4_affine_codes(weight: torch.Tensor, group: int = INT4_GROUP
 
 def packed_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int) -> QuantizedWeight:
     """Codes [N, K] in 0..15 and (scale, zero) [N, K / group] -> torch's CPU int4 pack."""
-    n, k = codes.shape
-    pairs = torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()   # [K/g, N, 2]
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
-    return QuantizedWeight("int4", packed, pairs, (n, k), group)
+    packed, pairs = torch_int4_pack(codes, scales, zeros)
+    return QuantizedWeight("int4", packed, pairs, tuple(codes.shape), group)
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP, symmetric: bool = False) -> QuantizedWeight:
@@ -137,8 +137,10 @@ def quantize(weight: torch.Tensor, kind: str, group: int = INT4_GROUP) -> Quanti
 class QuantizedEmbedding(nn.Module):
     """An embedding kept as 8-bit (or 4-bit, from a GGUF's 4-bit blocks) integer codes with a float32
     scale and offset per 32 columns of a row: row = codes x scale + offset, computed per looked-up row
-    in float32, then in the run's dtype. A GGUF's Q8_0 / Q4_x embedding keeps its own blocks (exact);
-    a dense one is quantized symmetric, absmax / 127 per 32 columns (`quantize_embedding`)."""
+    in float32, then in the run's dtype. A GGUF's Q8_0 / Q4_x embedding keeps its own blocks (exact
+    but for Q4_1's offsets, rounded to float32); a dense one is quantized symmetric, absmax / 127 per
+    32 columns (`quantize_embedding`). `weight` builds the dense table: only what reads the matrix
+    itself asks for it (`DecoderTarget.embedding_dtype` answers the dtype without it)."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
@@ -229,22 +231,26 @@ def published_weight(blocks: list, kind: str | None) -> QuantizedWeight | None:
     checkpoint tensors its rows stack), or None where they are not all there. 4-bit blocks move into
     torch's int4 pack as they are (codes exact; each block's scale and offset rounded to bf16, the
     pair torch's kernel takes); 8-bit ones become int8 with a scale per row (torch's int8 kernel has
-    no per-block scales), quantized again from their exact values."""
+    no per-block scales), quantized again from their exact values: the one place where `auto` on a
+    GGUF quantizes again (a Q8_0 weight in int8 per row: half a step of its row's largest value)."""
     if not blocks or any(b is None for b in blocks):
         return None
-    if all(b.bits == 4 for b in blocks) and packs_int4(sum(b.codes.shape[0] for b in blocks)):
+    if all(b.bits == 4 for b in blocks):
+        if not packs_int4(sum(b.codes.shape[0] for b in blocks)):
+            return None                    # torch's pack does not take it: the layer stays dense
         cat = lambda field: torch.cat([getattr(b, field) for b in blocks])      # noqa: E731
         return packed_int4(cat("codes"), cat("scales"), cat("offsets"), INT4_GROUP)
-    dense = torch.cat([b.dequantized() for b in blocks]).to(torch.float32)
-    return quantize_int8(dense) if kind in (None, "int8") or any(b.bits == 8 for b in blocks) else quantize(dense, kind)
+    # 8-bit blocks (or 8 beside 4): int8 with a scale per row, quantized again from the exact values
+    return quantize_int8(torch.cat([b.dequantized() for b in blocks]).to(torch.float32))
 
 
 def quantize_target(model: nn.Module, kind: str | None, group: int = INT4_GROUP, published: dict | None = None,
                     keep_dense_head: bool = False) -> None:
     """A decoder target's layers' products, its LM head and its embedding kept quantized
     (models/decoder.py). `kind`: what a dense weight becomes ("int4" / "int8"; None: it stays dense).
-    `published`: a GGUF's own blocks by checkpoint name (checkpoints/gguf_blocks.published_blocks),
-    kept in place of quantizing their dequantised values again (`published_weight`). The embedding
+    `published`: a GGUF's own blocks by checkpoint name (checkpoints/gguf_blocks.published_blocks,
+    decoded one weight at a time), kept in place of quantizing their dequantised values again
+    (`published_weight`: 4-bit blocks as they are; 8-bit ones int8 per row). The embedding
     becomes 8-bit codes with a scale per 32 columns (a GGUF's own blocks where it has them). The head
     keeps a dense copy beside only with `keep_dense_head` (a draft that shares the target's head:
     MTP, DFlash)."""
@@ -260,15 +266,21 @@ def quantize_target(model: nn.Module, kind: str | None, group: int = INT4_GROUP,
             weight = weight or quantize(linear.weight.detach(), kind, group)
             parent, _, name = path.rpartition(".")
             setattr(layer.get_submodule(parent) if parent else layer, name, QuantizedLinear(weight, linear.bias))
-    head = model.lm_head.weight.detach()
-    tied = head is model.model.embed_tokens.weight or head.data_ptr() == model.model.embed_tokens.weight.data_ptr()
-    head_blocks = published.get("model.embed_tokens.weight" if tied else "lm_head.weight")
+    head, embedding = model.lm_head.weight.detach(), model.model.embed_tokens.weight.detach()
+    tied = head.data_ptr() == embedding.data_ptr()
+    embedding_blocks = published.get("model.embed_tokens.weight")          # decoded once, for both
+    head_blocks = embedding_blocks if tied else published.get("lm_head.weight")
     weight = published_weight([head_blocks], kind) if head_blocks is not None else None
-    if weight is not None or kind is not None:
-        model.lm_head = QuantizedLinear(weight or quantize(head, kind, group), dense=head if keep_dense_head else None)
-    embedding = model.model.embed_tokens.weight.detach()
-    blocks = published.get("model.embed_tokens.weight")
-    if blocks is not None:
-        model.model.embed_tokens = QuantizedEmbedding(blocks.codes - 8, blocks.scales, blocks.offsets, embedding.dtype)
+    if weight is None and kind == "int4" and not packs_int4(head.shape[0]):
+        kind_for_head = None
+    else:
+        kind_for_head = kind
+    if weight is not None or kind_for_head is not None:
+        model.lm_head = QuantizedLinear(weight or quantize(head, kind_for_head, group),
+                                        dense=head if keep_dense_head else None)
+    if embedding_blocks is not None:
+        codes = embedding_blocks.codes.to(torch.int16) - 8
+        model.model.embed_tokens = QuantizedEmbedding(codes, embedding_blocks.scales, embedding_blocks.offsets,
+                                                      embedding.dtype)
     elif kind is not None:
         model.model.embed_tokens = quantize_embedding(embedding)
