@@ -3,7 +3,8 @@
 CPU; `none` dequantises them), the logits match the dequantised model within the activations' bf16
 rounding, speculative output equals plain output with the same kept weights for each draft Kimi
 pairs with (greedy and seeded, eager and compiled), and the memory estimate counts the kept bytes.
-The unpacking and the kernels against independent references are test_int4_experts.py's; the
+A dense DeepSeek-V3 quantized on load (int4: its experts into the same layout; int8) keeps its MTP
+output. The unpacking and the kernels against independent references are test_int4_experts.py's; the
 tensor-parallel cut of the packed weights, test_tensor_parallel.py's."""
 
 from __future__ import annotations
@@ -124,3 +125,53 @@ def test_the_memory_estimate_counts_the_kept_bytes(kimi):
     dense = replace(base, target=replace(base.target, quantization="none"))
     assert abs(estimate - held) <= 0.02 * held, (estimate, held)
     assert estimate < estimate_bytes(dense, resolve(dense))["target weights"]
+
+
+# ------------------------------------------------------------------ a dense MoE target quantized on load
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from checkpoints_deepseek import tiny_deepseek_config, write_deepseek_checkpoint
+
+    # every projection in whole 32-groups and 16-row packs (q_lora_rank 32, a 16-wide rope part):
+    # what real shapes have, so every product but kv_b_proj is kept and the estimate can be held to it
+    config = tiny_deepseek_config(vocab_size=96, q_lora_rank=32, qk_rope_head_dim=16)
+    return write_deepseek_checkpoint(tmp_path_factory.mktemp("ds") / "deepseek", config)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_dense_deepseek_target_quantized_on_load_keeps_its_mtp_output(deepseek, kind):
+    """`target.quantization: int4 / int8` on a bf16 DeepSeek-V3 checkpoint: the layers' products
+    quantized (MLA's kv_b_proj, read as a matrix, stays dense), the routed experts in the published
+    INT4 layout under int4 (dense under int8), the head and the embedding kept; its MTP layer's
+    output, with oracle picks through every acceptance length, equals its own plain output."""
+    from specgen.models.quantized import QuantizedEmbedding, QuantizedLinear
+
+    ids = prompts()
+    plain_runner = runner_for(recipe(deepseek, quantization=kind))
+    model = plain_runner.unified.target
+    experts = experts_of(plain_runner)
+    assert all((e.int4_group == 32) == (kind == "int4") for e in experts)
+    attention = model.model.layers[0].self_attn
+    assert isinstance(attention.q_b_proj, QuantizedLinear) and not isinstance(attention.kv_b_proj, QuantizedLinear)
+    assert isinstance(model.lm_head, QuantizedLinear) and isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert f"{kind} weights" in plain_runner.header
+    plain, _ = run(plain_runner, ids)
+    dense, _ = run(runner_for(recipe(deepseek, quantization="none")), ids)
+    assert plain != dense
+    real = runner_for(recipe_from_dict({
+        "target": {"model": str(deepseek), "dtype": "float32", "quantization": kind},
+        "draft": {"method": "mtp", "num_speculative_tokens": 2},
+        "sampling": {"max_tokens": 24, "ignore_eos": True, "seed": 7},
+        "runtime": {"device": "cpu", "batch_size": 4, "max_seq_len": 80, "compile": False},
+        "chat_template": False}))
+    spec, totals = run(oracle_runner(real, references_of(ids, plain), False), ids)
+    assert spec == plain
+    assert totals.spec.acceptance_histogram[0] > 0 and totals.spec.acceptance_histogram[2] > 0
+    estimate = estimate_bytes(recipe(deepseek, quantization=kind), resolve(recipe(deepseek, quantization=kind)))
+    held = sum(m.quantized.nbytes() for m in model.modules() if isinstance(m, QuantizedLinear))
+    held += model.model.embed_tokens.nbytes() + sum(
+        t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+    # within 10%: the estimate counts the few weights that stay dense (kv_b_proj, the router) as kept
+    assert abs(estimate["target weights"] - held) <= 0.1 * held, (estimate["target weights"], held)

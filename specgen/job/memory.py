@@ -114,6 +114,14 @@ def kept_quantized_bytes(recipe: Recipe, r: Resolved, shape, item: int) -> int:
     layers = shape.num_parameters() - embedding * (1 if shape.tie_word_embeddings else 2)
     kept = {n: f for n, f in published.items() if n.startswith("model.layers.")}
     total = sum(n * by_format(fmt) for fmt, n in kept.values()) + (layers - sum(n for _, n in kept.values())) * per_weight[kind]
+    mla = getattr(shape, "mla", None)
+    if kind is not None and mla is not None:      # MLA's kv_b_proj stays dense: attention reads it as a matrix
+        kv_b = shape.num_layers * mla.kv_lora_rank * mla.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        total += kv_b * (item - per_weight[kind])
+    if kind == "int8" and getattr(shape, "moe", None) is not None:     # routed experts stay dense in int8
+        m = shape.moe
+        experts = 3 * h * m.local_intermediate * m.local_experts * sum(map(shape.is_moe, range(shape.num_layers)))
+        total += experts * (item - per_weight["int8"])
     head = published.get("model.embed_tokens.weight" if shape.tie_word_embeddings else "lm_head.weight")
     head_kept = head is not None or kind is not None
     total += embedding * (by_format(head[0]) if head is not None else per_weight[kind])

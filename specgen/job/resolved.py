@@ -85,9 +85,10 @@ def resolve(recipe: Recipe) -> Resolved:
 
 
 # The targets whose products `target.quantization` keeps quantized (models/quantized.quantize_target:
-# every nn.Linear of the layers, and the head); MoE experts are stacked tensors, kept quantized only as
-# a checkpoint publishes them (`keeps_int4`)
-QUANTIZABLE_TARGETS = ("LlamaForCausalLM",)
+# every nn.Linear of the layers, MoE experts in int4, and the head)
+QUANTIZABLE_TARGETS = ("LlamaForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
+# The targets whose GGUF blocks are read as they are (checkpoints/gguf_blocks.py names Llama's tensors)
+GGUF_REPACKED_TARGETS = ("LlamaForCausalLM",)
 
 
 def published_int4(config: dict) -> bool:
@@ -117,7 +118,7 @@ def gguf_blocks_kept(recipe: Recipe, config: dict, device: torch.device) -> Path
     source = gguf_source(config)
     if source is None or recipe.target.quantization not in ("auto", "int4") or device.type != "cpu":
         return None
-    if architecture_name(config) not in QUANTIZABLE_TARGETS or recipe.runtime.tensor_parallel_size > 1:
+    if architecture_name(config) not in GGUF_REPACKED_TARGETS or recipe.runtime.tensor_parallel_size > 1:
         return None
     return source
 
@@ -140,8 +141,7 @@ def kept_quantization(recipe: Recipe, config: dict) -> str | None:
 
 def check_quantization(recipe: Recipe, device: torch.device, config: dict) -> None:
     """What `target.quantization` can run on (InputError naming the field otherwise): quantized on
-    load on CPU, in one process, for a target of the Llama family; a published INT4 checkpoint's
-    experts anywhere."""
+    load on CPU, in one process; a published INT4 checkpoint's experts anywhere a kernel is."""
     if recipe.target.quantization == "int4" and published_int4(config) and device.type == "cuda" \
             and not int4_kernel_supported(device):
         # the reference would gather every pair's expert as float32: terabytes for Kimi K2.5's prefill

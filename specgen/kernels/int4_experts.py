@@ -50,6 +50,24 @@ def unpack_codes(packed: torch.Tensor, columns: int) -> torch.Tensor:
     return nibbles.flatten(-2)[..., :columns]
 
 
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """`unpack_codes`' inverse: codes [..., N, K] in 0..15 (K a multiple of 8) -> [..., N, K / 8] int32."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    words = (codes.to(torch.int64).unflatten(-1, (-1, CODES_PER_WORD)) << shifts).sum(dim=-1)   # < 2^32
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def quantize_symmetric(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense weights [..., N, K] -> the published layout (words [..., N, K / 8] int32, bf16 scales
+    [..., N, K / g]): each group's scale absmax / 7 rounded to bf16 first, the codes chosen against it
+    (round(w / scale) in -8..7, stored + 8), as a symmetric pack-quantized checkpoint holds them."""
+    grouped = weight.to(torch.float32).unflatten(-1, (-1, group))
+    scale = (grouped.abs().amax(dim=-1) / 7).to(torch.bfloat16)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    codes = torch.clamp(torch.round(grouped / safe.unsqueeze(-1)), -8, 7) + 8
+    return pack_codes(codes.flatten(-2)), scale
+
+
 def dequantize(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
     """Real weights, float32: [..., N, K / 8] int32 and [..., N, K / g] -> [..., N, K]."""
     columns = packed.shape[-1] * CODES_PER_WORD

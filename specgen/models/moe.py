@@ -170,6 +170,20 @@ class RoutedExperts(nn.Module):
         self.down_proj_scale = held(e, h, i // group)
         self.int4_group = group
 
+    def quantize_int4(self, group: int) -> None:
+        """Dense stacks (loaded) -> the published INT4 layout, quantized symmetric in groups of `group`
+        (kernels/int4_experts.quantize_symmetric; `target.quantization: int4` on a dense checkpoint);
+        on a CPU then repacked for torch's kernel."""
+        for name in ("gate_up_proj", "down_proj"):
+            dense = getattr(self, name)
+            packed, scale = int4_experts.quantize_symmetric(dense.detach(), group)
+            delattr(self, name)
+            setattr(self, name + "_packed", nn.Parameter(packed, requires_grad=False))
+            setattr(self, name + "_scale", nn.Parameter(scale, requires_grad=False))
+        self.int4_group = group
+        if self.gate_up_proj_packed.device.type == "cpu":
+            self.int4_for_cpu()
+
     def int4_for_cpu(self) -> None:
         """Repack the loaded INT4 stacks for torch's CPU kernel (kernels/int4_experts.cpu_layout)."""
         for name in ("gate_up_proj", "down_proj"):

@@ -126,6 +126,14 @@ def packs_int4(rows: int) -> bool:
     return rows % 16 == 0
 
 
+def quantizes(shape, kind: str, group: int = INT4_GROUP) -> bool:
+    """Whether a dense [N, K] weight goes into `kind`: int8 always; int4 where K fills whole groups
+    and torch's pack takes N rows (a small projection that does not, MLA's q_b_proj at a tiny rank,
+    stays dense)."""
+    n, k = shape
+    return kind == "int8" or (k % group == 0 and packs_int4(n))
+
+
 def quantize(weight: torch.Tensor, kind: str, group: int = INT4_GROUP) -> QuantizedWeight:
     if kind == "int4":
         return quantize_int4(weight, group)
@@ -248,6 +256,9 @@ def quantize_target(model: nn.Module, kind: str | None, group: int = INT4_GROUP,
                     keep_dense_head: bool = False) -> None:
     """A decoder target's layers' products, its LM head and its embedding kept quantized
     (models/decoder.py). `kind`: what a dense weight becomes ("int4" / "int8"; None: it stays dense).
+    A MoE's routed experts become the published INT4 layout under "int4" (models/moe.py
+    `quantize_int4`; under "int8" they stay dense: no int8 expert product yet); weights the model reads
+    as matrices rather than multiplies by (`FP8_DEQUANTIZED`: MLA's kv_b_proj) stay dense.
     `published`: a GGUF's own blocks by checkpoint name (checkpoints/gguf_blocks.published_blocks,
     decoded one weight at a time), kept in place of quantizing their dequantised values again
     (`published_weight`: 4-bit blocks as they are; 8-bit ones int8 per row). The embedding
@@ -255,13 +266,19 @@ def quantize_target(model: nn.Module, kind: str | None, group: int = INT4_GROUP,
     keeps a dense copy beside only with `keep_dense_head` (a draft that shares the target's head:
     MTP, DFlash)."""
     published = published or {}
+    read_as_matrices = getattr(model, "FP8_DEQUANTIZED", ())     # MLA's kv_b_proj: absorbed, never multiplied
     for i, layer in enumerate(model.model.layers):
+        for path, module in list(layer.named_modules()):
+            if kind == "int4" and hasattr(module, "quantize_int4") and module.int4_group is None \
+                    and module.fp8_block is None and all(quantizes(w.shape[1:], kind, group) for w in
+                                                         (module.gate_up_proj, module.down_proj)):
+                module.quantize_int4(group)               # MoE routed experts (models/moe.py)
         for path, linear in list(layer.named_modules()):
-            if not isinstance(linear, nn.Linear):
+            if not isinstance(linear, nn.Linear) or path.endswith(read_as_matrices):
                 continue
             parts = FUSED_PARTS.get(path, (path,))
             weight = published_weight([published.get(f"model.layers.{i}.{p}.weight") for p in parts], kind)
-            if weight is None and (kind is None or (kind == "int4" and not packs_int4(linear.out_features))):
+            if weight is None and (kind is None or not quantizes(linear.weight.shape, kind, group)):
                 continue
             weight = weight or quantize(linear.weight.detach(), kind, group)
             parent, _, name = path.rpartition(".")
@@ -271,7 +288,7 @@ def quantize_target(model: nn.Module, kind: str | None, group: int = INT4_GROUP,
     embedding_blocks = published.get("model.embed_tokens.weight")          # decoded once, for both
     head_blocks = embedding_blocks if tied else published.get("lm_head.weight")
     weight = published_weight([head_blocks], kind) if head_blocks is not None else None
-    if weight is None and kind == "int4" and not packs_int4(head.shape[0]):
+    if weight is None and kind is not None and not quantizes(head.shape, kind, group):
         kind_for_head = None
     else:
         kind_for_head = kind
