@@ -95,3 +95,17 @@ def test_the_cpu_path_gives_a_pair_the_same_bits_alone_and_beside_others(threads
             assert torch.equal(ie.int4_pairs(x[p:p + 1], experts[p:p + 1], codes, pairs, 32)[0], together[p])
     finally:
         torch.set_num_threads(before)
+
+
+def test_dense_experts_quantized_on_load_read_back_through_the_independent_unpacking():
+    """`quantize_symmetric` (target.quantization: int4 on a dense MoE) writes the published format: the
+    NumPy reader gives each weight back within half a step of its group's bf16 scale."""
+    gen = torch.Generator().manual_seed(9)
+    dense = torch.randn(2, 16, 64, generator=gen) * 0.05
+    packed, scale = ie.quantize_symmetric(dense, 32)
+    assert packed.dtype == torch.int32 and scale.dtype == torch.bfloat16 and packed.shape == (2, 16, 8)
+    assert torch.equal(ie.pack_codes(ie.unpack_codes(packed, 64)), packed)
+    for e in range(2):
+        theirs = dequantize_int4_groups(packed[e].numpy(), scale[e].float().numpy(), (16, 64), 32)
+        step = scale[e].float().repeat_interleave(32, dim=1)
+        assert (torch.from_numpy(theirs) - dense[e]).abs().le(step / 2 + 1e-7).all()
