@@ -20,8 +20,12 @@ setup: $(BIN)/specgen
 # One slot, compiled: where speculative decoding pays on this kind of machine (decoding one sequence
 # reads every weight per token; on 2 CPU cores, 8 slots x K + 1 rows are already compute-bound).
 # float32: the same dtype on every CPU, so the demo's figures compare across machines (tokens are
-# identical in auto's dtype too: docs/exactness.md).
-DEMO := --no-resume --set runtime.batch_size=1 --set runtime.compile=true --set target.dtype=float32
+# identical in auto's dtype too: docs/exactness.md). The GGUF's weights dequantised
+# (target.quantization: none): kept as its 4-bit blocks (auto), a plain step is so cheap that this bf16
+# draft's K = 1 step saves about what it costs (0.99x at steady state on an AMD EPYC Zen 5, 24 of 24
+# identical; docs/performance.md#quantized-targets), and the demo is here to show speculation.
+DEMO := --no-resume --set runtime.batch_size=1 --set runtime.compile=true --set target.dtype=float32 \
+	--set target.quantization=none
 
 # K pinned to 1 for the speculative run: on a job this short (24 prompts, ~2,500 tokens) `auto` runs
 # plain steps, rightly, since no draft variant repays its compile time there (docs/choosing-a-draft.md:
