@@ -27,7 +27,7 @@ from torch import nn
 
 from specgen.job import build_runner, resolve
 from specgen.machine import cpu_description
-from specgen.models.quantized import QuantizedEmbedding, QuantizedLinear
+from specgen.models.quantized import QuantizedLinear
 from specgen.pipelines.requests import Request
 from specgen.recipe import load_recipe
 
@@ -35,8 +35,6 @@ from specgen.recipe import load_recipe
 def weight_bytes(module: nn.Module) -> int:
     if isinstance(module, QuantizedLinear):
         return module.quantized.nbytes()
-    if isinstance(module, QuantizedEmbedding):
-        return module.nbytes()
     return sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
 
 

@@ -102,16 +102,21 @@ def unpermute_rows(blocks: Blocks, heads: int) -> Blocks:
     return blocks.rows(torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(rows))
 
 
+def block_tensors(gguf: Path) -> dict:
+    """{HF name: the GGUF's tensor (memory-mapped)} of every weight stored in a format `decode_blocks` reads."""
+    from gguf import GGUFReader
+
+    return {hf_name(t.name): t for t in GGUFReader(str(gguf)).tensors
+            if t.tensor_type.name in BLOCK_BYTES and hf_name(t.name) is not None}
+
+
 class PublishedBlocks(Mapping):
     """`published_blocks`' result: HF name -> `Blocks`, each decoded when asked for."""
 
     def __init__(self, gguf: Path, config: dict) -> None:
-        from gguf import GGUFReader
-
         self.heads = int(config["num_attention_heads"])
         self.kv_heads = int(config.get("num_key_value_heads") or self.heads)
-        self.tensors = {hf_name(t.name): t for t in GGUFReader(str(gguf)).tensors
-                        if t.tensor_type.name in BLOCK_BYTES and hf_name(t.name) is not None}
+        self.tensors = block_tensors(gguf)
 
     def __getitem__(self, name: str) -> Blocks:
         tensor = self.tensors[name]
@@ -137,11 +142,7 @@ def published_blocks(gguf: Path, config: dict) -> PublishedBlocks:
 def published_formats(gguf: Path) -> dict[str, tuple[str, int]]:
     """{HF name: (block format, weights)} of what `published_blocks` returns, from the GGUF's header
     alone (the memory estimate's)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf))
-    return {hf_name(t.name): (t.tensor_type.name, int(np.prod(t.shape))) for t in reader.tensors
-            if t.tensor_type.name in BLOCK_BYTES and hf_name(t.name) is not None}
+    return {name: (t.tensor_type.name, int(np.prod(t.shape))) for name, t in block_tensors(gguf).items()}
 
 
 def gguf_source(config: dict) -> Path | None:

@@ -269,32 +269,29 @@ def quantize_target(model: nn.Module, kind: str | None, group: int = INT4_GROUP,
     read_as_matrices = getattr(model, "FP8_DEQUANTIZED", ())     # MLA's kv_b_proj: absorbed, never multiplied
     for i, layer in enumerate(model.model.layers):
         for path, module in list(layer.named_modules()):
-            if kind == "int4" and hasattr(module, "quantize_int4") and module.int4_group is None \
-                    and module.fp8_block is None and all(quantizes(w.shape[1:], kind, group) for w in
-                                                         (module.gate_up_proj, module.down_proj)):
-                module.quantize_int4(group)               # MoE routed experts (models/moe.py)
-        for path, linear in list(layer.named_modules()):
-            if not isinstance(linear, nn.Linear) or path.endswith(read_as_matrices):
+            if hasattr(module, "quantize_int4"):          # MoE routed experts (models/moe.py)
+                if kind == "int4" and module.int4_group is None and module.fp8_block is None and all(
+                        quantizes(w.shape[1:], kind, group) for w in (module.gate_up_proj, module.down_proj)):
+                    module.quantize_int4(group)
+                continue
+            if not isinstance(module, nn.Linear) or path.endswith(read_as_matrices):
                 continue
             parts = FUSED_PARTS.get(path, (path,))
             weight = published_weight([published.get(f"model.layers.{i}.{p}.weight") for p in parts], kind)
-            if weight is None and (kind is None or not quantizes(linear.weight.shape, kind, group)):
+            if weight is None and (kind is None or not quantizes(module.weight.shape, kind, group)):
                 continue
-            weight = weight or quantize(linear.weight.detach(), kind, group)
+            weight = weight or quantize(module.weight.detach(), kind, group)
             parent, _, name = path.rpartition(".")
-            setattr(layer.get_submodule(parent) if parent else layer, name, QuantizedLinear(weight, linear.bias))
+            setattr(layer.get_submodule(parent) if parent else layer, name, QuantizedLinear(weight, module.bias))
     head, embedding = model.lm_head.weight.detach(), model.model.embed_tokens.weight.detach()
     tied = head.data_ptr() == embedding.data_ptr()
     embedding_blocks = published.get("model.embed_tokens.weight")          # decoded once, for both
     head_blocks = embedding_blocks if tied else published.get("lm_head.weight")
     weight = published_weight([head_blocks], kind) if head_blocks is not None else None
-    if weight is None and kind is not None and not quantizes(head.shape, kind, group):
-        kind_for_head = None
-    else:
-        kind_for_head = kind
-    if weight is not None or kind_for_head is not None:
-        model.lm_head = QuantizedLinear(weight or quantize(head, kind_for_head, group),
-                                        dense=head if keep_dense_head else None)
+    if weight is None and kind is not None and quantizes(head.shape, kind, group):
+        weight = quantize(head, kind, group)
+    if weight is not None:
+        model.lm_head = QuantizedLinear(weight, dense=head if keep_dense_head else None)
     if embedding_blocks is not None:
         codes = embedding_blocks.codes.to(torch.int16) - 8
         model.model.embed_tokens = QuantizedEmbedding(codes, embedding_blocks.scales, embedding_blocks.offsets,
